@@ -1,0 +1,305 @@
+#pragma once
+// The runtime description of hierarchical sparse attention (DESIGN.md
+// section 1), its validation, the shape of the attention problem, and the
+// preset registry through which a serving engine names a configuration with
+// one small integer per request.
+//
+// `SparseAttentionConfig` is a structural type: the same struct that a
+// serving engine fills at run time is the non-type template parameter of
+// `selection_policy<Cfg>`, and `validate()` is constexpr, so the compile-time
+// checks and the run-time checks are one function.
+
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "hisparse/core/dtype.hpp"
+#include "hisparse/core/status.hpp"
+
+namespace hisparse {
+
+// Limits. Token positions are int32 everywhere (index lists, page tables);
+// keeping contexts at or below 2^30 tokens leaves headroom for `p + M`,
+// `p0 - W` and slice arithmetic without any overflow check in kernels.
+inline constexpr std::int64_t kMaxContext = std::int64_t{1} << 30;
+inline constexpr int kMaxTopK = 2048;           ///< widest top-k the selection kernels take
+inline constexpr int kMaxWindow = 1 << 20;
+inline constexpr int kMaxCoarseBlock = 1 << 20;
+inline constexpr int kMaxQueryTile = 256;
+inline constexpr int kMaxHeads = 1024;
+
+/// Every way a configuration or problem can be invalid. The enumerator names
+/// are what a failed compile-time check prints, so they say the rule.
+enum class config_error : std::uint8_t {
+  none = 0,
+  window_must_be_in_1_to_kMaxWindow,
+  coarse_block_must_be_in_1_to_kMaxCoarseBlock,
+  fine_slice_must_be_positive,
+  fine_slice_must_divide_coarse_block,
+  top_k_coarse_must_be_in_1_to_kMaxTopK,
+  top_k_fine_must_be_in_1_to_kMaxTopK,
+  top_k_fine_must_not_exceed_slices_of_kept_blocks,
+  query_tile_must_be_in_1_to_kMaxQueryTile,
+  score_type_must_be_fp32_or_wider,
+  num_q_heads_must_be_in_1_to_kMaxHeads,
+  num_kv_heads_must_be_in_1_to_kMaxHeads,
+  num_q_heads_must_be_a_multiple_of_num_kv_heads,
+  head_dim_must_be_64_128_or_256,
+};
+
+/// The field a `config_error` is about, and the rule it breaks, in words.
+struct config_error_info {
+  std::string_view field;
+  std::string_view rule;
+};
+
+[[nodiscard]] constexpr config_error_info describe(config_error e) noexcept {
+  switch (e) {
+    case config_error::none: return {"", "valid"};
+    case config_error::window_must_be_in_1_to_kMaxWindow:
+      return {"window", "must be in [1, 2^20]"};
+    case config_error::coarse_block_must_be_in_1_to_kMaxCoarseBlock:
+      return {"coarse_block", "must be in [1, 2^20]"};
+    case config_error::fine_slice_must_be_positive: return {"fine_slice", "must be positive"};
+    case config_error::fine_slice_must_divide_coarse_block:
+      return {"fine_slice", "must divide coarse_block"};
+    case config_error::top_k_coarse_must_be_in_1_to_kMaxTopK:
+      return {"top_k_coarse", "must be in [1, 2048]"};
+    case config_error::top_k_fine_must_be_in_1_to_kMaxTopK:
+      return {"top_k_fine", "must be in [1, 2048]"};
+    case config_error::top_k_fine_must_not_exceed_slices_of_kept_blocks:
+      return {"top_k_fine",
+              "must not exceed top_k_coarse * coarse_block / fine_slice (the candidate slices)"};
+    case config_error::query_tile_must_be_in_1_to_kMaxQueryTile:
+      return {"query_tile", "must be in [1, 256]"};
+    case config_error::score_type_must_be_fp32_or_wider:
+      return {"score_type",
+              "must be fp32 or fp64 (half-precision scores flip the top-k boundary)"};
+    case config_error::num_q_heads_must_be_in_1_to_kMaxHeads:
+      return {"num_q_heads", "must be in [1, 1024]"};
+    case config_error::num_kv_heads_must_be_in_1_to_kMaxHeads:
+      return {"num_kv_heads", "must be in [1, 1024]"};
+    case config_error::num_q_heads_must_be_a_multiple_of_num_kv_heads:
+      return {"num_q_heads", "must be a multiple of num_kv_heads"};
+    case config_error::head_dim_must_be_64_128_or_256:
+      return {"head_dim", "must be 64, 128 or 256"};
+  }
+  return {"?", "unknown error"};
+}
+
+/// Hierarchical sparse attention, as DESIGN.md section 1 defines it. The
+/// defaults are the field's: a 512-token window, 1024-token blocks of which
+/// 32 are kept, 64-token slices of which 16 are kept (about 1.5K tokens per
+/// query at any context length).
+struct SparseAttentionConfig {
+  int window = 512;         ///< W: tokens always attended (aligned down to a slice)
+  int coarse_block = 1024;  ///< C: tokens per coarse block
+  int fine_slice = 64;      ///< F: tokens per fine slice; divides C
+  int top_k_coarse = 32;    ///< blocks kept per (query tile, KV head)
+  int top_k_fine = 16;      ///< slices kept per (query tile, KV head)
+  int query_tile = 64;      ///< M: prefill queries sharing one selection (decode uses 1)
+  dtype score_type = dtype::fp32;  ///< precision of block/slice scores and their sort
+
+  [[nodiscard]] constexpr config_error validate() const noexcept {
+    if (window < 1 || window > kMaxWindow) return config_error::window_must_be_in_1_to_kMaxWindow;
+    if (coarse_block < 1 || coarse_block > kMaxCoarseBlock)
+      return config_error::coarse_block_must_be_in_1_to_kMaxCoarseBlock;
+    if (fine_slice < 1) return config_error::fine_slice_must_be_positive;
+    if (coarse_block % fine_slice != 0) return config_error::fine_slice_must_divide_coarse_block;
+    if (top_k_coarse < 1 || top_k_coarse > kMaxTopK)
+      return config_error::top_k_coarse_must_be_in_1_to_kMaxTopK;
+    if (top_k_fine < 1 || top_k_fine > kMaxTopK)
+      return config_error::top_k_fine_must_be_in_1_to_kMaxTopK;
+    if (static_cast<std::int64_t>(top_k_fine) >
+        static_cast<std::int64_t>(top_k_coarse) * (coarse_block / fine_slice))
+      return config_error::top_k_fine_must_not_exceed_slices_of_kept_blocks;
+    if (query_tile < 1 || query_tile > kMaxQueryTile)
+      return config_error::query_tile_must_be_in_1_to_kMaxQueryTile;
+    if (score_type != dtype::fp32 && score_type != dtype::fp64)
+      return config_error::score_type_must_be_fp32_or_wider;
+    return config_error::none;
+  }
+
+  [[nodiscard]] constexpr int slices_per_block() const noexcept {
+    return coarse_block / fine_slice;
+  }
+
+  friend constexpr bool operator==(const SparseAttentionConfig&,
+                                   const SparseAttentionConfig&) = default;
+};
+
+/// Heads and head size of one attention layer.
+struct attention_shape {
+  int num_q_heads = 32;
+  int num_kv_heads = 8;
+  int head_dim = 128;
+
+  [[nodiscard]] constexpr config_error validate() const noexcept {
+    if (num_q_heads < 1 || num_q_heads > kMaxHeads)
+      return config_error::num_q_heads_must_be_in_1_to_kMaxHeads;
+    if (num_kv_heads < 1 || num_kv_heads > kMaxHeads)
+      return config_error::num_kv_heads_must_be_in_1_to_kMaxHeads;
+    if (num_q_heads % num_kv_heads != 0)
+      return config_error::num_q_heads_must_be_a_multiple_of_num_kv_heads;
+    if (head_dim != 64 && head_dim != 128 && head_dim != 256)
+      return config_error::head_dim_must_be_64_128_or_256;
+    return config_error::none;
+  }
+
+  /// G: query heads per KV head (valid shapes only).
+  [[nodiscard]] constexpr int group_size() const noexcept { return num_q_heads / num_kv_heads; }
+
+  friend constexpr bool operator==(const attention_shape&, const attention_shape&) = default;
+};
+
+namespace detail {
+inline std::string field_values(const SparseAttentionConfig& c) {
+  return "window=" + std::to_string(c.window) + " coarse_block=" + std::to_string(c.coarse_block) +
+         " fine_slice=" + std::to_string(c.fine_slice) +
+         " top_k_coarse=" + std::to_string(c.top_k_coarse) +
+         " top_k_fine=" + std::to_string(c.top_k_fine) +
+         " query_tile=" + std::to_string(c.query_tile) +
+         " score_type=" + std::string(name_of(c.score_type));
+}
+inline std::string field_values(const attention_shape& s) {
+  return "num_q_heads=" + std::to_string(s.num_q_heads) +
+         " num_kv_heads=" + std::to_string(s.num_kv_heads) +
+         " head_dim=" + std::to_string(s.head_dim);
+}
+template <class T>
+status report(const T& value, std::string_view type_name) {
+  const config_error e = value.validate();
+  if (e == config_error::none) return status::success;
+  const config_error_info info = describe(e);
+  return fail(status::invalid_argument, std::string(type_name) + "." + std::string(info.field) +
+                                            " " + std::string(info.rule) + " (got " +
+                                            field_values(value) + ")");
+}
+}  // namespace detail
+
+/// Validates and, on failure, records a reason naming the field and the rule.
+[[nodiscard]] inline status check(const SparseAttentionConfig& c) {
+  return detail::report(c, "SparseAttentionConfig");
+}
+[[nodiscard]] inline status check(const attention_shape& s) {
+  return detail::report(s, "attention_shape");
+}
+
+/// Checks everything about a batch before any work: the config, the shape,
+/// a non-empty batch, and every context length in [1, kMaxContext] (a query
+/// always sees at least its own key, and int32 token indices cannot overflow).
+[[nodiscard]] inline status check_problem(const SparseAttentionConfig& c, const attention_shape& s,
+                                          std::span<const std::int64_t> context_lengths) {
+  HISPARSE_TRY(check(c));
+  HISPARSE_TRY(check(s));
+  if (context_lengths.empty())
+    return fail(status::invalid_argument, "batch is empty: need at least one sequence");
+  for (std::size_t i = 0; i < context_lengths.size(); ++i) {
+    const std::int64_t t = context_lengths[i];
+    if (t < 1 || t > kMaxContext)
+      return fail(status::invalid_argument,
+                  "context length of sequence " + std::to_string(i) + " is " + std::to_string(t) +
+                      ": must be in [1, 2^30] (token indices are int32)");
+  }
+  return status::success;
+}
+
+/// Host convenience: throws hisparse::error naming the field and the rule.
+inline void require_valid(const SparseAttentionConfig& c) { throw_if_error(check(c)); }
+inline void require_valid(const attention_shape& s) { throw_if_error(check(s)); }
+
+// ---------------------------------------------------------------------------
+// Presets: a serving engine passes one byte per request, not a dictionary.
+
+enum class preset_id : std::uint8_t {
+  standard = 0,      ///< the field's defaults: 512 / 1024 / 64 / 32 / 16
+  high_recall = 1,   ///< twice the kept slices for retrieval-heavy prompts
+  short_context = 2, ///< smaller blocks for contexts of 8K-32K tokens
+  first_user_id = 128,  ///< ids from here on are free for an engine's own presets
+};
+
+struct preset {
+  preset_id id;
+  std::string_view name;
+  SparseAttentionConfig config;
+};
+
+/// The presets every registry starts with. Why these values: `standard` is
+/// DESIGN.md section 1 (about 1.5K tokens attended per query); `high_recall`
+/// keeps 64 blocks / 32 slices (about 2.5K tokens) for workloads whose far
+/// attention is spread over more needles; `short_context` halves the block
+/// and slice so short prompts still have enough candidates to choose from.
+inline constexpr preset kBuiltinPresets[] = {
+    {preset_id::standard, "standard", SparseAttentionConfig{}},
+    {preset_id::high_recall, "high_recall", SparseAttentionConfig{512, 1024, 64, 64, 32, 64}},
+    {preset_id::short_context, "short_context", SparseAttentionConfig{256, 512, 32, 32, 16, 64}},
+};
+
+static_assert([] {
+  for (const preset& p : kBuiltinPresets)
+    if (p.config.validate() != config_error::none) return false;
+  return true;
+}(), "a built-in preset is invalid");
+
+/// Maps preset ids to validated configs. Starts with the built-ins; an engine
+/// adds its own under ids >= preset_id::first_user_id. Lookups are read-only
+/// and may run concurrently; `add` is not synchronized with them.
+class preset_registry {
+ public:
+  preset_registry() {
+    for (const preset& p : kBuiltinPresets) entries_.emplace(p.id, entry{std::string(p.name), p.config});
+  }
+
+  /// Registers a user preset; rejects built-in ids, duplicates and invalid
+  /// configs without changing the registry.
+  [[nodiscard]] status add(preset_id id, std::string_view name, const SparseAttentionConfig& c) {
+    if (id < preset_id::first_user_id)
+      return fail(status::invalid_argument,
+                  "preset id " + std::to_string(static_cast<int>(id)) +
+                      " is reserved for built-in presets: user ids start at 128");
+    if (entries_.count(id) != 0)
+      return fail(status::invalid_argument,
+                  "preset id " + std::to_string(static_cast<int>(id)) + " is already registered");
+    HISPARSE_TRY(check(c));
+    entries_.emplace(id, entry{std::string(name), c});
+    return status::success;
+  }
+
+  [[nodiscard]] bool contains(preset_id id) const { return entries_.count(id) != 0; }
+
+  /// The config of a preset; throws hisparse::error for an unknown id.
+  [[nodiscard]] const SparseAttentionConfig& get(preset_id id) const {
+    const auto it = entries_.find(id);
+    if (it == entries_.end())
+      throw error(status::invalid_argument,
+                  "unknown preset id " + std::to_string(static_cast<int>(id)));
+    return it->second.config;
+  }
+
+  /// The id of the preset with this name; throws for an unknown name.
+  [[nodiscard]] preset_id find(std::string_view name) const {
+    for (const auto& [id, e] : entries_)
+      if (e.name == name) return id;
+    throw error(status::invalid_argument, "unknown preset name '" + std::string(name) + "'");
+  }
+
+  [[nodiscard]] std::vector<std::pair<preset_id, std::string>> list() const {
+    std::vector<std::pair<preset_id, std::string>> out;
+    for (const auto& [id, e] : entries_) out.emplace_back(id, e.name);
+    return out;
+  }
+
+ private:
+  struct entry {
+    std::string name;
+    SparseAttentionConfig config;
+  };
+  std::map<preset_id, entry> entries_;
+};
+
+}  // namespace hisparse

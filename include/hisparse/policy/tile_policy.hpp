@@ -1,0 +1,51 @@
+#pragma once
+// Tile policy of the attention kernels: a value, used as a non-type template
+// parameter (`attention_kernel<tile_policy{64, 64, 4, 2}>`), so users
+// instantiate their own tile sizes without a new type per choice.
+
+#include <cstdint>
+
+#include "hisparse/core/macros.hpp"
+
+namespace hisparse {
+
+enum class tile_error : std::uint8_t {
+  none = 0,
+  block_q_must_be_in_1_to_256,
+  block_kv_must_be_a_positive_multiple_of_16,
+  warps_must_be_in_1_to_16,
+  stages_must_be_in_1_to_8,
+};
+
+struct tile_policy {
+  int block_q = 1;    ///< queries per CTA tile (decode: 1; the GQA group rides along)
+  int block_kv = 64;  ///< keys per pipeline stage; a multiple of the 16-wide MMA fragment
+  int warps = 4;      ///< warps per CTA
+  int stages = 2;     ///< K/V tiles in flight (double buffering by default)
+
+  [[nodiscard]] constexpr tile_error validate() const noexcept {
+    if (block_q < 1 || block_q > 256) return tile_error::block_q_must_be_in_1_to_256;
+    if (block_kv < 16 || block_kv % 16 != 0)
+      return tile_error::block_kv_must_be_a_positive_multiple_of_16;
+    if (warps < 1 || warps > 16) return tile_error::warps_must_be_in_1_to_16;
+    if (stages < 1 || stages > 8) return tile_error::stages_must_be_in_1_to_8;
+    return tile_error::none;
+  }
+  [[nodiscard]] constexpr int threads() const noexcept { return warps * 32; }
+
+  friend constexpr bool operator==(const tile_policy&, const tile_policy&) = default;
+};
+
+namespace detail {
+template <tile_error E>
+struct assert_valid_tile {
+  static_assert(E == tile_error::none, "invalid tile policy: see the tile_error above");
+  static constexpr bool value = true;
+};
+}  // namespace detail
+
+/// Compile-time check for a tile policy used as a template argument.
+template <tile_policy P>
+inline constexpr bool valid_tile_policy_v = detail::assert_valid_tile<P.validate()>::value;
+
+}  // namespace hisparse
