@@ -1,0 +1,425 @@
+#pragma once
+// fp64 CPU reference of hierarchical sparse attention: DESIGN.md section 1,
+// step by step. It is the oracle every kernel is tested against (it returns
+// the selected blocks and slices with their scores, so a GPU pipeline can be
+// checked stage by stage) and the library's CPU path: it runs any batch the
+// GPU path runs, only slower.
+//
+// Everything is computed in double from the stored element values (bf16 keys
+// are widened, never re-rounded), so the only difference between this and a
+// kernel is the kernel's own arithmetic.
+//
+// Non-finite inputs: a NaN score ranks below every number (-inf included),
+// ties among NaNs go to the lower index; a NaN or Inf that reaches the
+// attended set makes that query's output non-finite, as IEEE arithmetic does.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "hisparse/config.hpp"
+#include "hisparse/core/dtype.hpp"
+#include "hisparse/core/status.hpp"
+#include "hisparse/core/tensor_view.hpp"
+
+namespace hisparse::reference {
+
+/// Step 1: the window of the tile that starts at `tile_begin` starts at the
+/// slice boundary at or below `tile_begin - W + 1` (never below 0).
+[[nodiscard]] constexpr std::int64_t window_begin(std::int64_t tile_begin,
+                                                  const SparseAttentionConfig& c) noexcept {
+  const std::int64_t x = tile_begin - c.window + 1;
+  return x <= 0 ? 0 : x / c.fine_slice * c.fine_slice;
+}
+
+/// The start of the M-aligned query tile holding position p.
+[[nodiscard]] constexpr std::int64_t tile_begin(std::int64_t p, int query_tile) noexcept {
+  return p / query_tile * query_tile;
+}
+
+/// One sequence: its cached keys/values and a run of consecutive queries.
+/// The query at row i sits at absolute position `q_begin + i` and its own key
+/// is already in the cache, so `q_begin + num_queries <= keys.extent(0)`.
+template <class T>
+struct sequence {
+  tensor_view<const T, 3> keys;     ///< [length, Hkv, D]
+  tensor_view<const T, 3> values;   ///< [length, Hkv, D]
+  tensor_view<const T, 3> queries;  ///< [num_queries, Hq, D]
+  std::int64_t q_begin = 0;         ///< position of the first query
+
+  [[nodiscard]] std::int64_t length() const { return keys.extent(0); }
+  [[nodiscard]] std::int64_t num_queries() const { return queries.extent(0); }
+};
+
+/// A top-k selection with the scores needed to judge another implementation:
+/// `kept` ascending, `kept_scores` beside it, and the best score left out.
+struct scored_selection {
+  std::vector<std::int32_t> kept;
+  std::vector<double> kept_scores;
+  double best_rejected = -std::numeric_limits<double>::infinity();  ///< -inf if nothing was left out
+  std::int64_t num_candidates = 0;
+};
+
+/// What one query tile selected, per KV head.
+struct tile_selection {
+  std::int64_t begin = 0;         ///< first query position of the tile (p0)
+  std::int64_t end = 0;           ///< one past the last query present
+  std::int64_t window_begin = 0;  ///< ws; the far region is [0, ws)
+  std::vector<scored_selection> blocks;  ///< [Hkv]
+  std::vector<scored_selection> slices;  ///< [Hkv]
+};
+
+struct result {
+  attention_shape shape;
+  std::int64_t q_begin = 0;
+  std::int64_t num_queries = 0;
+  std::vector<double> output;             ///< [num_queries, Hq, D]
+  std::vector<double> lse;                ///< [num_queries, Hq], natural log of sum exp(q.k/sqrt(D))
+  std::vector<std::int64_t> attended;     ///< [num_queries, Hkv]: tokens each query attends
+  std::vector<tile_selection> tiles;      ///< empty for dense attention
+
+  [[nodiscard]] double out(std::int64_t i, int h, int d) const {
+    return output[(static_cast<std::size_t>(i) * shape.num_q_heads + h) * shape.head_dim + d];
+  }
+  [[nodiscard]] double lse_of(std::int64_t i, int h) const {
+    return lse[static_cast<std::size_t>(i) * shape.num_q_heads + h];
+  }
+  /// The tile that holds query row i.
+  [[nodiscard]] const tile_selection& tile_of(std::int64_t i) const {
+    const std::int64_t p = q_begin + i;
+    auto it = std::upper_bound(tiles.begin(), tiles.end(), p,
+                               [](std::int64_t pos, const tile_selection& t) { return pos < t.begin; });
+    return *(it - 1);
+  }
+};
+
+/// The token positions the query at position p attends through KV head h of
+/// `tile`: the kept slices (ascending) followed by the window [ws, p].
+[[nodiscard]] inline std::vector<std::int64_t> attended_positions(
+    const tile_selection& tile, int kv_head, std::int64_t p, const SparseAttentionConfig& c) {
+  std::vector<std::int64_t> pos;
+  for (const std::int32_t s : tile.slices[kv_head].kept)
+    for (std::int64_t t = std::int64_t{s} * c.fine_slice; t < std::int64_t{s + 1} * c.fine_slice; ++t)
+      pos.push_back(t);
+  for (std::int64_t t = tile.window_begin; t <= p; ++t) pos.push_back(t);
+  return pos;
+}
+
+/// The k best of `scores` (index i scores scores[i], index id ids[i]): higher
+/// first, NaN below everything, ties to the lower id. Returns kept ids
+/// ascending with their scores, and the best rejected score.
+[[nodiscard]] inline scored_selection select_top_k(std::span<const double> scores,
+                                                   std::span<const std::int32_t> ids, int k) {
+  std::vector<std::size_t> order(scores.size());
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  auto better = [&](std::size_t a, std::size_t b) {
+    const bool na = std::isnan(scores[a]), nb = std::isnan(scores[b]);
+    if (na != nb) return nb;
+    if (!na && scores[a] != scores[b]) return scores[a] > scores[b];
+    return ids[a] < ids[b];
+  };
+  std::sort(order.begin(), order.end(), better);
+  scored_selection sel;
+  sel.num_candidates = static_cast<std::int64_t>(scores.size());
+  const std::size_t kept = std::min(order.size(), static_cast<std::size_t>(std::max(k, 0)));
+  if (kept < order.size()) sel.best_rejected = scores[order[kept]];
+  order.resize(kept);
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return ids[a] < ids[b]; });
+  for (const std::size_t i : order) {
+    sel.kept.push_back(ids[i]);
+    sel.kept_scores.push_back(scores[i]);
+  }
+  return sel;
+}
+
+namespace detail {
+
+template <class T>
+void check_sequence(const SparseAttentionConfig& c, const attention_shape& s,
+                    const sequence<T>& seq, int query_tile) {
+  require_valid(c);
+  require_valid(s);
+  auto bad = [](const std::string& why) { throw error(status::invalid_argument, why); };
+  if (seq.keys.data == nullptr || seq.values.data == nullptr || seq.queries.data == nullptr)
+    bad("sequence: keys, values and queries must not be null");
+  if (seq.keys.extent(1) != s.num_kv_heads || seq.keys.extent(2) != s.head_dim)
+    bad("sequence.keys must be [length, num_kv_heads, head_dim]");
+  for (int d = 0; d < 3; ++d)
+    if (seq.values.extent(d) != seq.keys.extent(d)) bad("sequence.values must have the keys' extents");
+  if (seq.queries.extent(1) != s.num_q_heads || seq.queries.extent(2) != s.head_dim)
+    bad("sequence.queries must be [num_queries, num_q_heads, head_dim]");
+  if (seq.length() < 1 || seq.length() > kMaxContext)
+    bad("sequence length " + std::to_string(seq.length()) + " must be in [1, 2^30]");
+  if (seq.num_queries() < 1) bad("sequence has no queries");
+  if (seq.q_begin < 0 || seq.q_begin + seq.num_queries() > seq.length())
+    bad("queries at [" + std::to_string(seq.q_begin) + ", " +
+        std::to_string(seq.q_begin + seq.num_queries()) +
+        ") need their own keys in the cache of length " + std::to_string(seq.length()));
+  if (seq.q_begin % query_tile != 0)
+    bad("a prefill chunk must start on a query-tile boundary (q_begin " +
+        std::to_string(seq.q_begin) + ", query_tile " + std::to_string(query_tile) +
+        ") so the result does not depend on chunking");
+}
+
+inline double dot(const double* a, const double* b, int n) {
+  double acc = 0.0;
+  for (int i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+/// Softmax attention of one query row over `positions`; writes D outputs and
+/// returns the log-sum-exp.
+template <class T>
+double attend_row(const double* q, const tensor_view<const T, 3>& keys,
+                  const tensor_view<const T, 3>& values, int kv_head, int head_dim,
+                  std::span<const std::int64_t> positions, double* out) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  std::vector<double> logits(positions.size());
+  std::vector<double> k(head_dim);
+  double m = -std::numeric_limits<double>::infinity();
+  bool saw_nan = false;
+  for (std::size_t j = 0; j < positions.size(); ++j) {
+    for (int d = 0; d < head_dim; ++d) k[d] = to_double(keys(positions[j], kv_head, d));
+    logits[j] = dot(q, k.data(), head_dim) * scale;
+    if (std::isnan(logits[j])) saw_nan = true;
+    m = std::max(m, logits[j]);
+  }
+  if (saw_nan) m = std::numeric_limits<double>::quiet_NaN();
+  double sum = 0.0;
+  std::fill(out, out + head_dim, 0.0);
+  for (std::size_t j = 0; j < positions.size(); ++j) {
+    const double w = std::exp(logits[j] - m);
+    sum += w;
+    for (int d = 0; d < head_dim; ++d) out[d] += w * to_double(values(positions[j], kv_head, d));
+  }
+  for (int d = 0; d < head_dim; ++d) out[d] /= sum;
+  return m + std::log(sum);
+}
+
+template <class T>
+std::vector<double> query_row(const sequence<T>& seq, std::int64_t i, int h, int head_dim) {
+  std::vector<double> q(head_dim);
+  for (int d = 0; d < head_dim; ++d) q[d] = to_double(seq.queries(i, h, d));
+  return q;
+}
+
+}  // namespace detail
+
+/// Per-slice mean keys of the complete slices below `limit` tokens:
+/// [num_slices][Hkv][D], with num_slices = limit / F. Step 3's summaries.
+template <class T>
+[[nodiscard]] std::vector<double> slice_means(const tensor_view<const T, 3>& keys,
+                                              const SparseAttentionConfig& c, std::int64_t limit) {
+  const std::int64_t hkv = keys.extent(1), dim = keys.extent(2);
+  const std::int64_t num_slices = std::min(limit, keys.extent(0)) / c.fine_slice;
+  std::vector<double> means(static_cast<std::size_t>(num_slices * hkv * dim), 0.0);
+  for (std::int64_t s = 0; s < num_slices; ++s)
+    for (std::int64_t h = 0; h < hkv; ++h) {
+      double* m = &means[static_cast<std::size_t>((s * hkv + h) * dim)];
+      for (std::int64_t t = s * c.fine_slice; t < (s + 1) * c.fine_slice; ++t)
+        for (std::int64_t d = 0; d < dim; ++d) m[d] += to_double(keys(t, h, d));
+      for (std::int64_t d = 0; d < dim; ++d) m[d] /= c.fine_slice;
+    }
+  return means;
+}
+
+/// Hierarchical sparse attention of `seq`'s queries, in query tiles of
+/// `query_tile` positions (1 for decode). Throws hisparse::error on bad input.
+template <class T>
+[[nodiscard]] result sparse_attention(const SparseAttentionConfig& c, const attention_shape& s,
+                                      const sequence<T>& seq, int query_tile) {
+  if (query_tile < 1 || query_tile > kMaxQueryTile)
+    throw error(status::invalid_argument, "query_tile must be in [1, 256]");
+  detail::check_sequence(c, s, seq, query_tile);
+  const int hq = s.num_q_heads, hkv = s.num_kv_heads, dim = s.head_dim, group = s.group_size();
+  const std::int64_t n = seq.num_queries();
+  const std::int64_t last_tile = tile_begin(seq.q_begin + n - 1, query_tile);
+  const std::vector<double> smeans = slice_means(seq.keys, c, window_begin(last_tile, c));
+  const int spb = c.slices_per_block();
+
+  result r;
+  r.shape = s;
+  r.q_begin = seq.q_begin;
+  r.num_queries = n;
+  r.output.assign(static_cast<std::size_t>(n * hq * dim), 0.0);
+  r.lse.assign(static_cast<std::size_t>(n * hq), 0.0);
+  r.attended.assign(static_cast<std::size_t>(n * hkv), 0);
+
+  for (std::int64_t p0 = seq.q_begin; p0 < seq.q_begin + n; p0 += query_tile) {
+    tile_selection tile;
+    tile.begin = p0;
+    tile.end = std::min(p0 + query_tile, seq.q_begin + n);
+    tile.window_begin = window_begin(p0, c);
+    const std::int64_t far_slices = tile.window_begin / c.fine_slice;
+    const std::int64_t blocks = (tile.window_begin + c.coarse_block - 1) / c.coarse_block;
+
+    for (int h = 0; h < hkv; ++h) {
+      // Group-summed queries: sum_g q_g . x == (sum_g q_g) . x.
+      std::vector<std::vector<double>> qsum;
+      for (std::int64_t p = tile.begin; p < tile.end; ++p) {
+        std::vector<double> acc(dim, 0.0);
+        for (int g = 0; g < group; ++g) {
+          const auto q = detail::query_row(seq, p - seq.q_begin, h * group + g, dim);
+          for (int d = 0; d < dim; ++d) acc[d] += q[d];
+        }
+        qsum.push_back(std::move(acc));
+      }
+      auto tile_score = [&](const double* summary) {
+        double best = -std::numeric_limits<double>::infinity();
+        bool nan = false;
+        for (const auto& q : qsum) {
+          const double v = detail::dot(q.data(), summary, dim);
+          if (std::isnan(v)) nan = true;
+          best = std::max(best, v);
+        }
+        return nan ? std::numeric_limits<double>::quiet_NaN() : best;
+      };
+      auto slice_mean = [&](std::int64_t sl) {
+        return &smeans[static_cast<std::size_t>((sl * hkv + h) * dim)];
+      };
+
+      // Step 4: coarse filter over blocks with bC < ws, summaries over their far part.
+      std::vector<double> bscore;
+      std::vector<std::int32_t> bid;
+      std::vector<double> summary(dim);
+      for (std::int64_t b = 0; b < blocks; ++b) {
+        const std::int64_t s0 = b * spb, s1 = std::min<std::int64_t>((b + 1) * spb, far_slices);
+        std::fill(summary.begin(), summary.end(), 0.0);
+        for (std::int64_t sl = s0; sl < s1; ++sl)
+          for (int d = 0; d < dim; ++d) summary[d] += slice_mean(sl)[d];
+        for (int d = 0; d < dim; ++d) summary[d] /= static_cast<double>(s1 - s0);
+        bscore.push_back(tile_score(summary.data()));
+        bid.push_back(static_cast<std::int32_t>(b));
+      }
+      tile.blocks.push_back(select_top_k(bscore, bid, c.top_k_coarse));
+
+      // Step 5: fine filter over the far slices of the kept blocks.
+      std::vector<double> sscore;
+      std::vector<std::int32_t> sid;
+      for (const std::int32_t b : tile.blocks.back().kept)
+        for (std::int64_t sl = std::int64_t{b} * spb;
+             sl < std::min<std::int64_t>((std::int64_t{b} + 1) * spb, far_slices); ++sl) {
+          sscore.push_back(tile_score(slice_mean(sl)));
+          sid.push_back(static_cast<std::int32_t>(sl));
+        }
+      tile.slices.push_back(select_top_k(sscore, sid, c.top_k_fine));
+    }
+
+    // Step 6: attention over kept slices + [ws, p].
+    for (std::int64_t p = tile.begin; p < tile.end; ++p) {
+      const std::int64_t i = p - seq.q_begin;
+      for (int h = 0; h < hkv; ++h) {
+        const auto positions = attended_positions(tile, h, p, c);
+        r.attended[static_cast<std::size_t>(i * hkv + h)] = static_cast<std::int64_t>(positions.size());
+        for (int g = 0; g < group; ++g) {
+          const int qh = h * group + g;
+          const auto q = detail::query_row(seq, i, qh, dim);
+          r.lse[static_cast<std::size_t>(i * hq + qh)] = detail::attend_row(
+              q.data(), seq.keys, seq.values, h, dim, positions,
+              &r.output[static_cast<std::size_t>((i * hq + qh) * dim)]);
+        }
+      }
+    }
+    r.tiles.push_back(std::move(tile));
+  }
+  return r;
+}
+
+/// Prefill: query tiles of `c.query_tile` positions.
+template <class T>
+[[nodiscard]] result prefill(const SparseAttentionConfig& c, const attention_shape& s,
+                             const sequence<T>& seq) {
+  return sparse_attention(c, s, seq, c.query_tile);
+}
+
+/// Decode: one query at the last cached position, a tile of one.
+template <class T>
+[[nodiscard]] result decode(const SparseAttentionConfig& c, const attention_shape& s,
+                            const sequence<T>& seq) {
+  if (seq.num_queries() != 1 || seq.q_begin != seq.length() - 1)
+    throw error(status::invalid_argument,
+                "decode takes one query at the last cached position (length - 1)");
+  return sparse_attention(c, s, seq, 1);
+}
+
+/// Decode for a batch of sequences (possibly of different lengths). The
+/// whole batch is validated before any work.
+template <class T>
+[[nodiscard]] std::vector<result> decode_batch(const SparseAttentionConfig& c,
+                                               const attention_shape& s,
+                                               std::span<const sequence<T>> batch) {
+  std::vector<std::int64_t> lengths;
+  for (const auto& seq : batch) lengths.push_back(seq.length());
+  throw_if_error(check_problem(c, s, lengths));
+  for (const auto& seq : batch) detail::check_sequence(c, s, seq, 1);
+  std::vector<result> out;
+  out.reserve(batch.size());
+  for (const auto& seq : batch) out.push_back(decode(c, s, seq));
+  return out;
+}
+
+/// Dense causal attention (every key at or before each query), fp64: the
+/// baseline the sparse result is measured against.
+template <class T>
+[[nodiscard]] result dense_attention(const attention_shape& s, const sequence<T>& seq) {
+  detail::check_sequence(SparseAttentionConfig{}, s, seq, 1);
+  const int hq = s.num_q_heads, dim = s.head_dim, group = s.group_size();
+  result r;
+  r.shape = s;
+  r.q_begin = seq.q_begin;
+  r.num_queries = seq.num_queries();
+  r.output.assign(static_cast<std::size_t>(r.num_queries * hq * dim), 0.0);
+  r.lse.assign(static_cast<std::size_t>(r.num_queries * hq), 0.0);
+  r.attended.assign(static_cast<std::size_t>(r.num_queries * s.num_kv_heads), 0);
+  for (std::int64_t i = 0; i < r.num_queries; ++i) {
+    std::vector<std::int64_t> positions(static_cast<std::size_t>(seq.q_begin + i + 1));
+    std::iota(positions.begin(), positions.end(), std::int64_t{0});
+    for (int h = 0; h < s.num_kv_heads; ++h)
+      r.attended[static_cast<std::size_t>(i * s.num_kv_heads + h)] =
+          static_cast<std::int64_t>(positions.size());
+    for (int qh = 0; qh < hq; ++qh) {
+      const auto q = detail::query_row(seq, i, qh, dim);
+      r.lse[static_cast<std::size_t>(i * hq + qh)] = detail::attend_row(
+          q.data(), seq.keys, seq.values, qh / group, dim, positions,
+          &r.output[static_cast<std::size_t>((i * hq + qh) * dim)]);
+    }
+  }
+  return r;
+}
+
+/// How much of dense attention the selection keeps: for each (query, query
+/// head), the share of the dense softmax mass that falls on the positions the
+/// sparse result attends, averaged over queries and heads. 1.0 is lossless.
+template <class T>
+[[nodiscard]] double mass_recall(const SparseAttentionConfig& c, const attention_shape& s,
+                                 const sequence<T>& seq, const result& sparse,
+                                 const result& dense) {
+  const int dim = s.head_dim, group = s.group_size();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+  double total = 0.0;
+  std::vector<double> k(dim);
+  for (std::int64_t i = 0; i < sparse.num_queries; ++i) {
+    const tile_selection& tile = sparse.tile_of(i);
+    for (int h = 0; h < s.num_kv_heads; ++h) {
+      const auto positions = attended_positions(tile, h, seq.q_begin + i, c);
+      for (int g = 0; g < group; ++g) {
+        const int qh = h * group + g;
+        const auto q = detail::query_row(seq, i, qh, dim);
+        double mass = 0.0;
+        for (const std::int64_t t : positions) {
+          for (int d = 0; d < dim; ++d) k[d] = to_double(seq.keys(t, h, d));
+          mass += std::exp(detail::dot(q.data(), k.data(), dim) * scale - dense.lse_of(i, qh));
+        }
+        total += mass;
+      }
+    }
+  }
+  return total / static_cast<double>(sparse.num_queries * s.num_q_heads);
+}
+
+}  // namespace hisparse::reference
