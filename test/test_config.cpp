@@ -1,0 +1,138 @@
+// config.hpp and policy/: validation names the field and the rule; presets;
+// compile-time policies share the runtime checks.
+#include <catch2/catch.hpp>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "hisparse/config.hpp"
+#include "hisparse/policy/selection_policy.hpp"
+#include "hisparse/policy/tile_policy.hpp"
+
+using namespace hisparse;
+
+TEST_CASE("the default config is DESIGN.md's", "[config]") {
+  constexpr SparseAttentionConfig c;
+  STATIC_REQUIRE(c.validate() == config_error::none);
+  CHECK(c.window == 512);
+  CHECK(c.coarse_block == 1024);
+  CHECK(c.fine_slice == 64);
+  CHECK(c.top_k_coarse == 32);
+  CHECK(c.top_k_fine == 16);
+  CHECK(c.slices_per_block() == 16);
+  CHECK(c.score_type == dtype::fp32);
+  CHECK(check(c) == status::success);
+}
+
+TEST_CASE("every invalid config field is rejected with its name", "[config]") {
+  struct bad_case {
+    const char* field;
+    std::function<void(SparseAttentionConfig&)> mutate;
+  };
+  const std::vector<bad_case> cases{
+      {"window", [](auto& c) { c.window = 0; }},
+      {"window", [](auto& c) { c.window = kMaxWindow + 1; }},
+      {"coarse_block", [](auto& c) { c.coarse_block = -1024; }},
+      {"coarse_block", [](auto& c) { c.coarse_block = kMaxCoarseBlock * 2; }},
+      {"fine_slice", [](auto& c) { c.fine_slice = 0; }},
+      {"fine_slice", [](auto& c) { c.fine_slice = 96; }},  // 1024 % 96 != 0
+      {"top_k_coarse", [](auto& c) { c.top_k_coarse = 0; }},
+      {"top_k_coarse", [](auto& c) { c.top_k_coarse = kMaxTopK + 1; }},
+      {"top_k_fine", [](auto& c) { c.top_k_fine = -3; }},
+      {"top_k_fine", [](auto& c) { c.top_k_coarse = 1; c.top_k_fine = 17; }},
+      {"query_tile", [](auto& c) { c.query_tile = 0; }},
+      {"query_tile", [](auto& c) { c.query_tile = 1000; }},
+      {"score_type", [](auto& c) { c.score_type = dtype::bf16; }},
+      {"score_type", [](auto& c) { c.score_type = dtype::fp16; }},
+  };
+  for (const auto& bc : cases) {
+    SparseAttentionConfig c;
+    bc.mutate(c);
+    INFO("field " << bc.field);
+    CHECK(c.validate() != config_error::none);
+    CHECK(describe(c.validate()).field == bc.field);
+    REQUIRE(check(c) == status::invalid_argument);
+    CHECK_THAT(last_error(), Catch::StartsWith(std::string("SparseAttentionConfig.") + bc.field));
+    CHECK_THROWS_WITH(require_valid(c), Catch::Contains(bc.field));
+  }
+}
+
+TEST_CASE("every invalid attention shape is rejected with its name", "[config]") {
+  CHECK(check(attention_shape{32, 8, 128}) == status::success);
+  CHECK(attention_shape{32, 8, 128}.group_size() == 4);
+  const std::vector<std::pair<attention_shape, std::string>> cases{
+      {{0, 1, 64}, "num_q_heads"},   {{32, 0, 64}, "num_kv_heads"},
+      {{32, 6, 64}, "num_q_heads must be a multiple"}, {{32, 8, 96}, "head_dim"},
+      {{32, 8, 512}, "head_dim"},    {{4096, 8, 64}, "num_q_heads"},
+  };
+  for (const auto& [shape, what] : cases) {
+    INFO(what);
+    REQUIRE(check(shape) == status::invalid_argument);
+    CHECK_THAT(last_error(), Catch::Contains(what));
+  }
+}
+
+TEST_CASE("check_problem rejects empty batches and overflowing contexts", "[config]") {
+  const SparseAttentionConfig c;
+  const attention_shape s;
+  CHECK(check_problem(c, s, std::vector<std::int64_t>{1, 262144}) == status::success);
+  CHECK(check_problem(c, s, {}) == status::invalid_argument);
+  CHECK_THAT(last_error(), Catch::Contains("batch is empty"));
+  CHECK(check_problem(c, s, std::vector<std::int64_t>{5, 0}) == status::invalid_argument);
+  CHECK_THAT(last_error(), Catch::Contains("sequence 1"));
+  CHECK(check_problem(c, s, std::vector<std::int64_t>{kMaxContext + 1}) == status::invalid_argument);
+  CHECK_THAT(last_error(), Catch::Contains("int32"));
+  CHECK(check_problem(c, attention_shape{32, 8, 100}, std::vector<std::int64_t>{8}) ==
+        status::invalid_argument);
+}
+
+TEST_CASE("the preset registry maps ids to validated configs", "[config]") {
+  preset_registry reg;
+  CHECK(reg.get(preset_id::standard) == SparseAttentionConfig{});
+  CHECK(reg.get(preset_id::high_recall).top_k_fine == 32);
+  CHECK(reg.find("short_context") == preset_id::short_context);
+  CHECK(reg.list().size() == std::size(kBuiltinPresets));
+  CHECK_THROWS_WITH(reg.get(static_cast<preset_id>(77)), Catch::Contains("unknown preset id 77"));
+  CHECK_THROWS_WITH(reg.find("nope"), Catch::Contains("unknown preset name"));
+}
+
+TEST_CASE("engines add presets under user ids only, and only valid ones", "[config]") {
+  preset_registry reg;
+  const auto mine = static_cast<preset_id>(200);
+  SparseAttentionConfig c;
+  c.top_k_fine = 8;
+  CHECK(reg.add(preset_id::standard, "clash", c) == status::invalid_argument);
+  CHECK_THAT(last_error(), Catch::Contains("reserved"));
+  REQUIRE(reg.add(mine, "tight", c) == status::success);
+  CHECK(reg.get(mine).top_k_fine == 8);
+  CHECK(reg.add(mine, "again", c) == status::invalid_argument);
+  SparseAttentionConfig bad;
+  bad.window = 0;
+  CHECK(reg.add(static_cast<preset_id>(201), "bad", bad) == status::invalid_argument);
+  CHECK_FALSE(reg.contains(static_cast<preset_id>(201)));
+}
+
+TEST_CASE("selection policies carry the config as compile-time values", "[policy]") {
+  using p = default_selection_policy;
+  STATIC_REQUIRE(p::kWindow == 512);
+  STATIC_REQUIRE(p::kSlicesPerBlock == 16);
+  STATIC_REQUIRE(p::kMaxAttended == 16 * 64 + 512 + 63 + 63);
+  STATIC_REQUIRE(std::is_same_v<p::score_type, float>);
+  using wide = selection_policy<SparseAttentionConfig{256, 512, 32, 8, 8, 16, dtype::fp64}>;
+  STATIC_REQUIRE(std::is_same_v<wide::score_type, double>);
+  STATIC_REQUIRE(is_selection_policy<wide>::value);
+  STATIC_REQUIRE_FALSE(is_selection_policy<int>::value);
+  // A runtime config matches its instantiation with ==, the dispatcher's test.
+  CHECK(preset_registry{}.get(preset_id::standard) == p::config);
+}
+
+TEST_CASE("tile policies validate their fields", "[policy]") {
+  STATIC_REQUIRE(tile_policy{}.validate() == tile_error::none);
+  STATIC_REQUIRE(valid_tile_policy_v<tile_policy{64, 64, 4, 2}>);
+  CHECK(tile_policy{64, 40, 4, 2}.validate() == tile_error::block_kv_must_be_a_positive_multiple_of_16);
+  CHECK(tile_policy{64, 64, 0, 2}.validate() == tile_error::warps_must_be_in_1_to_16);
+  CHECK(tile_policy{0, 64, 4, 2}.validate() == tile_error::block_q_must_be_in_1_to_256);
+  CHECK(tile_policy{64, 64, 4, 9}.validate() == tile_error::stages_must_be_in_1_to_8);
+  CHECK(tile_policy{64, 64, 8, 2}.threads() == 256);
+}

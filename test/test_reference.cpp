@@ -1,0 +1,403 @@
+// The fp64 CPU reference against independent brute force, hand-built cases,
+// ties, and every edge case of DESIGN.md section 6.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "hisparse/reference/sparse_attention.hpp"
+#include "test_support.hpp"
+
+using namespace hisparse;
+using hisparse::test::brute_attend;
+using hisparse::test::brute_select;
+using hisparse::test::fresh_seed;
+using hisparse::test::random_sequence;
+
+namespace {
+
+std::vector<int> as_int(const std::vector<std::int32_t>& v) { return {v.begin(), v.end()}; }
+
+/// Checks every selection and every output row of `r` against brute force.
+template <class T>
+void check_against_brute_force(const random_sequence<T>& s, const SparseAttentionConfig& c,
+                               const reference::result& r, int query_tile) {
+  const int hq = s.shape.num_q_heads, hkv = s.shape.num_kv_heads, dim = s.shape.head_dim;
+  for (const auto& tile : r.tiles) {
+    REQUIRE(tile.begin % query_tile == 0);
+    REQUIRE(tile.window_begin == reference::window_begin(tile.begin, c));
+    for (int h = 0; h < hkv; ++h) {
+      const auto [blocks, slices] = brute_select(s, c, tile.begin, tile.end, h);
+      REQUIRE(as_int(tile.blocks[h].kept) == blocks);
+      REQUIRE(as_int(tile.slices[h].kept) == slices);
+    }
+  }
+  std::vector<double> out;
+  double lse = 0;
+  for (std::int64_t i = 0; i < r.num_queries; ++i) {
+    const auto& tile = r.tile_of(i);
+    for (int qh = 0; qh < hq; ++qh) {
+      const auto pos = reference::attended_positions(tile, qh / s.shape.group_size(), s.q_begin + i, c);
+      brute_attend(s, i, qh, pos, out, lse);
+      for (int d = 0; d < dim; ++d) REQUIRE(r.out(i, qh, d) == Approx(out[d]).margin(1e-12));
+      REQUIRE(r.lse_of(i, qh) == Approx(lse).margin(1e-12));
+    }
+  }
+}
+
+/// A config scaled down so short contexts exercise every stage.
+SparseAttentionConfig small_config() { return SparseAttentionConfig{64, 128, 16, 3, 4, 8}; }
+
+}  // namespace
+
+TEST_CASE("window_begin follows the contract", "[reference]") {
+  const SparseAttentionConfig c;  // W=512, F=64
+  CHECK(reference::window_begin(0, c) == 0);
+  CHECK(reference::window_begin(511, c) == 0);
+  CHECK(reference::window_begin(512 + 62, c) == 0);
+  CHECK(reference::window_begin(512 + 63, c) == 64);
+  CHECK(reference::window_begin(100000, c) == (100000 - 511) / 64 * 64);
+  // The window holds between W and W + F - 1 tokens up to and including p0.
+  for (std::int64_t p0 = 600; p0 < 2000; ++p0) {
+    const std::int64_t held = p0 - reference::window_begin(p0, c) + 1;
+    REQUIRE(held >= c.window);
+    REQUIRE(held <= c.window + c.fine_slice - 1);
+  }
+}
+
+TEST_CASE("keeping everything reproduces dense attention to 1e-12", "[reference]") {
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const attention_shape shape{8, 2, 64};
+  const std::int64_t len = 1500;
+  // Every block and every slice fits in the top-k: selection keeps the whole far region.
+  const SparseAttentionConfig keep_all{64, 128, 16, 64, 512, 16};
+  random_sequence<double> s(shape, len, 1456, 44, seed);  // 1456 = 91 tiles of 16
+  const auto sparse = reference::sparse_attention(keep_all, shape, s.view(), keep_all.query_tile);
+  std::vector<double> out;
+  double lse = 0;
+  for (std::int64_t i = 0; i < s.num_queries; ++i)
+    for (int qh = 0; qh < shape.num_q_heads; ++qh) {
+      std::vector<std::int64_t> all(static_cast<std::size_t>(s.q_begin + i + 1));
+      for (std::size_t t = 0; t < all.size(); ++t) all[t] = static_cast<std::int64_t>(t);
+      brute_attend(s, i, qh, all, out, lse);
+      for (int d = 0; d < shape.head_dim; ++d) REQUIRE(std::abs(sparse.out(i, qh, d) - out[d]) <= 1e-12);
+      REQUIRE(std::abs(sparse.lse_of(i, qh) - lse) <= 1e-12);
+      REQUIRE(sparse.attended[static_cast<std::size_t>(i * shape.num_kv_heads + qh / 4)] == s.q_begin + i + 1);
+    }
+  // And the library's own dense baseline agrees.
+  const auto dense = reference::dense_attention(shape, s.view());
+  REQUIRE(test::max_abs_diff(dense.output, sparse.output) <= 1e-12);
+}
+
+TEST_CASE("decode matches brute force on random inputs", "[reference]") {
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const SparseAttentionConfig c = small_config();
+  const attention_shape shape{4, 2, 64};
+  for (const std::int64_t len : {700, 1024, 1031, 2049}) {
+    INFO("length " << len);
+    random_sequence<double> s(shape, len, len - 1, 1, seed + len);
+    check_against_brute_force(s, c, reference::decode(c, shape, s.view()), 1);
+  }
+}
+
+TEST_CASE("prefill matches brute force with max-over-tile pooling", "[reference]") {
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const SparseAttentionConfig c = small_config();  // query_tile 8
+  const attention_shape shape{4, 1, 64};
+  random_sequence<double> s(shape, 900, 800, 100, seed);  // 800 is tile-aligned, tail tile partial
+  const auto r = reference::prefill(c, shape, s.view());
+  REQUIRE(r.tiles.size() == 13);
+  REQUIRE(r.tiles.back().end == 900);
+  check_against_brute_force(s, c, r, c.query_tile);
+}
+
+TEST_CASE("hand-built keys give a selection known in advance", "[reference]") {
+  // Keys are constant 0.25 (never zero) except planted slices with a strong
+  // component along dimension 0; the query points along dimension 0.
+  const attention_shape shape{1, 1, 64};
+  const SparseAttentionConfig c{512, 1024, 64, 2, 3, 1};
+  const std::int64_t len = 8 * 1024;
+  random_sequence<double> s(shape, len, len - 1, 1, 1);
+  for (auto& k : s.keys) k = 0.25;
+  for (auto& q : s.queries) q = 0.0;
+  s.query(0, 0, 0) = 1.0;
+  auto plant = [&](int slice, double v) {
+    for (std::int64_t t = std::int64_t{slice} * 64; t < std::int64_t{slice + 1} * 64; ++t) s.key(t, 0, 0) = v;
+  };
+  // Block 5 (slices 80..95): one very strong slice and two weaker ones.
+  plant(83, 40.0);
+  plant(90, 30.0);
+  plant(91, 20.0);
+  // Block 2 (slices 32..47): two medium slices; block 6: one slice, weaker in total.
+  plant(33, 25.0);
+  plant(40, 24.0);
+  plant(100, 20.0);
+  const auto r = reference::decode(c, shape, s.view());
+  const auto& t = r.tiles.at(0);
+  CHECK(t.window_begin == (len - 512) / 64 * 64);
+  // Block sums along dim 0: block 5 = 90, block 2 = 49, block 6 = 20 (plus constants).
+  CHECK(as_int(t.blocks[0].kept) == std::vector<int>{2, 5});
+  // Slices of blocks 2 and 5 ranked 83 (40) > 90 (30) > 33 (25) > 40 (24) > 91 (20).
+  CHECK(as_int(t.slices[0].kept) == std::vector<int>{33, 83, 90});
+  CHECK(t.slices[0].best_rejected == Approx(24.0));
+  CHECK(r.attended[0] == 3 * 64 + (len - t.window_begin));
+}
+
+TEST_CASE("ties go to the lower index in both filters", "[reference]") {
+  // All keys equal (0.5, exactly representable): every block and slice scores
+  // the same, so the lowest indices win.
+  const attention_shape shape{2, 1, 64};
+  const SparseAttentionConfig c{512, 1024, 64, 3, 5, 1};
+  const std::int64_t len = 10 * 1024 + 17;
+  random_sequence<double> s(shape, len, len - 1, 1, 7);
+  for (auto& k : s.keys) k = 0.5;
+  const auto r = reference::decode(c, shape, s.view());
+  const auto& t = r.tiles.at(0);
+  CHECK(as_int(t.blocks[0].kept) == std::vector<int>{0, 1, 2});
+  CHECK(as_int(t.slices[0].kept) == std::vector<int>{0, 1, 2, 3, 4});
+  CHECK(t.blocks[0].best_rejected == t.blocks[0].kept_scores[0]);
+  // Equal keys: the output is the mean of the attended values, still finite.
+  for (const double x : r.output) CHECK(std::isfinite(x));
+}
+
+TEST_CASE("select_top_k ranks NaN last and breaks ties by id", "[reference]") {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::vector<double> scores{1.0, nan, -inf, 3.0, 1.0, nan, 2.0};
+  const std::vector<std::int32_t> ids{10, 11, 12, 13, 14, 15, 16};
+  auto sel = reference::select_top_k(scores, ids, 4);
+  CHECK(sel.kept == std::vector<std::int32_t>{10, 13, 14, 16});
+  CHECK(sel.best_rejected == -inf);
+  sel = reference::select_top_k(scores, ids, 6);
+  CHECK(sel.kept == std::vector<std::int32_t>{10, 11, 12, 13, 14, 16});
+  sel = reference::select_top_k(scores, ids, 100);
+  CHECK(sel.kept.size() == 7);
+  CHECK(sel.best_rejected == -inf);
+  CHECK(sel.num_candidates == 7);
+}
+
+TEST_CASE("edge: context shorter than the window is dense attention", "[reference][edge]") {
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const attention_shape shape{8, 8, 64};
+  const SparseAttentionConfig c;
+  random_sequence<double> s(shape, 300, 299, 1, seed);
+  const auto r = reference::decode(c, shape, s.view());
+  CHECK(r.tiles.at(0).window_begin == 0);
+  CHECK(r.tiles.at(0).blocks[0].kept.empty());
+  const auto dense = reference::dense_attention(shape, s.view());
+  CHECK(test::max_abs_diff(r.output, dense.output) <= 1e-12);
+}
+
+TEST_CASE("edge: a single token attends to itself", "[reference][edge]") {
+  const attention_shape shape{4, 2, 128};
+  random_sequence<double> s(shape, 1, 0, 1, fresh_seed());
+  const auto r = reference::decode(SparseAttentionConfig{}, shape, s.view());
+  for (int qh = 0; qh < 4; ++qh) {
+    double qk = 0;
+    for (int d = 0; d < 128; ++d) {
+      CHECK(r.out(0, qh, d) == s.value(0, qh / 2, d));
+      qk += s.query(0, qh, d) * s.key(0, qh / 2, d);
+    }
+    CHECK(r.lse_of(0, qh) == Approx(qk / std::sqrt(128.0)).margin(1e-12));
+  }
+}
+
+TEST_CASE("edge: contexts that are not multiples of the block or slice", "[reference][edge]") {
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const SparseAttentionConfig c = small_config();
+  const attention_shape shape{2, 1, 64};
+  for (const std::int64_t len : {129, 143, 1000, 1039, 1153}) {
+    INFO("length " << len);
+    random_sequence<double> s(shape, len, len - 1, 1, seed ^ len);
+    const auto r = reference::decode(c, shape, s.view());
+    const auto& t = r.tiles.at(0);
+    // Selections come only from the far region, and only complete slices.
+    for (const auto b : t.blocks[0].kept) REQUIRE(std::int64_t{b} * c.coarse_block < t.window_begin);
+    for (const auto sl : t.slices[0].kept) REQUIRE(std::int64_t{sl + 1} * c.fine_slice <= t.window_begin);
+    check_against_brute_force(s, c, r, 1);
+  }
+}
+
+TEST_CASE("edge: fewer candidate blocks than top_k keeps them all", "[reference][edge]") {
+  const SparseAttentionConfig c;  // k = 32 blocks
+  const attention_shape shape{4, 1, 64};
+  const std::int64_t len = 5 * 1024 + 100;
+  random_sequence<double> s(shape, len, len - 1, 1, fresh_seed());
+  const auto r = reference::decode(c, shape, s.view());
+  const auto& t = r.tiles.at(0);
+  const std::int64_t candidates = (t.window_begin + 1023) / 1024;
+  CHECK(static_cast<std::int64_t>(t.blocks[0].kept.size()) == candidates);
+  CHECK(t.blocks[0].best_rejected == -std::numeric_limits<double>::infinity());
+  CHECK(t.slices[0].kept.size() == 16);
+}
+
+TEST_CASE("edge: GQA ratios 1, 4 and 8 share one selection per KV head", "[reference][edge]") {
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const SparseAttentionConfig c = small_config();
+  for (const int group : {1, 4, 8}) {
+    INFO("group " << group);
+    const attention_shape shape{2 * group, 2, 64};
+    random_sequence<double> s(shape, 1100, 1099, 1, seed + group);
+    check_against_brute_force(s, c, reference::decode(c, shape, s.view()), 1);
+  }
+}
+
+TEST_CASE("edge: head_dim 64, 128 and 256", "[reference][edge]") {
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const SparseAttentionConfig c = small_config();
+  for (const int dim : {64, 128, 256}) {
+    INFO("head_dim " << dim);
+    const attention_shape shape{4, 2, dim};
+    random_sequence<double> s(shape, 800, 799, 1, seed + dim);
+    check_against_brute_force(s, c, reference::decode(c, shape, s.view()), 1);
+  }
+}
+
+TEST_CASE("edge: NaN in a far key is never selected and never leaks", "[reference][edge]") {
+  const SparseAttentionConfig c = small_config();
+  const attention_shape shape{2, 1, 64};
+  const std::int64_t len = 2000;
+  random_sequence<double> s(shape, len, len - 1, 1, fresh_seed());
+  s.key(100, 0, 3) = std::numeric_limits<double>::quiet_NaN();  // slice 6, block 0
+  const auto r = reference::decode(c, shape, s.view());
+  const auto& t = r.tiles.at(0);
+  for (const auto b : t.blocks[0].kept) CHECK(b != 0);
+  for (const double x : r.output) CHECK(std::isfinite(x));
+}
+
+TEST_CASE("edge: NaN or Inf in the window poisons only its KV head", "[reference][edge]") {
+  const SparseAttentionConfig c = small_config();
+  const attention_shape shape{4, 2, 64};
+  const std::int64_t len = 600;
+  for (const double bad : {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
+    random_sequence<double> s(shape, len, len - 1, 1, fresh_seed());
+    s.key(len - 3, 1, 0) = bad;  // inside the window of KV head 1
+    s.query(0, 2, 0) = s.query(0, 3, 0) = 1.0;  // so +Inf gives a +Inf logit, not -Inf
+    const auto r = reference::decode(c, shape, s.view());
+    for (int d = 0; d < 64; ++d) {
+      CHECK(std::isfinite(r.out(0, 0, d)));
+      CHECK(std::isfinite(r.out(0, 1, d)));
+      CHECK_FALSE(std::isfinite(r.out(0, 2, d)));
+      CHECK_FALSE(std::isfinite(r.out(0, 3, d)));
+    }
+  }
+}
+
+TEST_CASE("decode equals prefill of one query", "[reference]") {
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const attention_shape shape{8, 2, 64};
+  SparseAttentionConfig c = small_config();
+  random_sequence<double> s(shape, 1601, 1600, 1, seed);  // 1600 is a multiple of 8 and 64
+  const auto dec = reference::decode(c, shape, s.view());
+  for (const int tile : {1, 8, 64}) {
+    INFO("query_tile " << tile);
+    c.query_tile = tile;
+    const auto pre = reference::prefill(c, shape, s.view());
+    REQUIRE(pre.output == dec.output);
+    REQUIRE(pre.lse == dec.lse);
+    REQUIRE(pre.tiles[0].slices[0].kept == dec.tiles[0].slices[0].kept);
+  }
+}
+
+TEST_CASE("prefill does not depend on tile-aligned chunking", "[reference]") {
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const attention_shape shape{4, 2, 64};
+  const SparseAttentionConfig c = small_config();
+  const std::int64_t len = 1000;
+  random_sequence<double> whole(shape, len, 0, len, seed);
+  const auto all = reference::prefill(c, shape, whole.view());
+  // Same tensors, consumed as chunks [0, 96), [96, 600), [600, 1000).
+  for (const auto& [b, e] : {std::pair<std::int64_t, std::int64_t>{0, 96}, {96, 600}, {600, 1000}}) {
+    auto chunk = whole.view();
+    chunk.queries.data += b * shape.num_q_heads * shape.head_dim;
+    chunk.queries.extents[0] = e - b;
+    chunk.q_begin = b;
+    const auto part = reference::prefill(c, shape, chunk);
+    for (std::int64_t i = 0; i < e - b; ++i)
+      for (int qh = 0; qh < shape.num_q_heads; ++qh)
+        for (int d = 0; d < shape.head_dim; ++d) REQUIRE(part.out(i, qh, d) == all.out(b + i, qh, d));
+  }
+}
+
+TEST_CASE("a batch of different lengths decodes each sequence", "[reference]") {
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const attention_shape shape{4, 2, 64};
+  const SparseAttentionConfig c = small_config();
+  std::vector<random_sequence<double>> owned;
+  for (const std::int64_t len : {1, 200, 1033}) owned.emplace_back(shape, len, len - 1, 1, seed + len);
+  std::vector<reference::sequence<double>> batch;
+  for (const auto& o : owned) batch.push_back(o.view());
+  const auto results = reference::decode_batch<double>(c, shape, batch);
+  REQUIRE(results.size() == 3);
+  for (std::size_t i = 0; i < 3; ++i)
+    REQUIRE(results[i].output == reference::decode(c, shape, batch[i]).output);
+}
+
+TEMPLATE_TEST_CASE("the reference reads low-precision storage exactly", "[reference]", float, __half,
+                   __nv_bfloat16) {
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const attention_shape shape{4, 1, 64};
+  const SparseAttentionConfig c = small_config();
+  random_sequence<TestType> low(shape, 700, 699, 1, seed);
+  // The same values widened to double must give bit-identical results.
+  random_sequence<double> wide(shape, 700, 699, 1, seed);
+  for (std::size_t i = 0; i < low.keys.size(); ++i) {
+    wide.keys[i] = to_double(low.keys[i]);
+    wide.values[i] = to_double(low.values[i]);
+  }
+  for (std::size_t i = 0; i < low.queries.size(); ++i) wide.queries[i] = to_double(low.queries[i]);
+  const auto a = reference::decode(c, shape, low.view());
+  const auto b = reference::decode(c, shape, wide.view());
+  REQUIRE(a.output == b.output);
+}
+
+TEST_CASE("bad input is rejected before any work", "[reference][errors]") {
+  const attention_shape shape{4, 2, 64};
+  const SparseAttentionConfig c;
+  random_sequence<double> s(shape, 100, 99, 1, 3);
+  SECTION("Hq not a multiple of Hkv") {
+    CHECK_THROWS_WITH(reference::decode(c, attention_shape{6, 4, 64}, s.view()),
+                      Catch::Contains("num_q_heads must be a multiple of num_kv_heads"));
+  }
+  SECTION("unsupported head_dim") {
+    CHECK_THROWS_WITH(reference::decode(c, attention_shape{4, 2, 96}, s.view()), Catch::Contains("head_dim"));
+  }
+  SECTION("tensors that do not match the shape") {
+    CHECK_THROWS_WITH(reference::decode(c, attention_shape{4, 2, 128}, s.view()), Catch::Contains("keys"));
+  }
+  SECTION("queries without their keys in the cache") {
+    auto v = s.view();
+    v.q_begin = 100;
+    CHECK_THROWS_WITH(reference::sparse_attention(c, shape, v, 1), Catch::Contains("own keys"));
+  }
+  SECTION("a prefill chunk that starts inside a tile") {
+    auto v = s.view();
+    v.q_begin = 99;
+    CHECK_THROWS_WITH(reference::prefill(c, shape, v), Catch::Contains("query-tile boundary"));
+  }
+  SECTION("decode of a query that is not the last position") {
+    auto v = s.view();
+    v.q_begin = 50;
+    CHECK_THROWS_WITH(reference::decode(c, shape, v), Catch::Contains("last cached position"));
+  }
+  SECTION("an empty batch") {
+    CHECK_THROWS_WITH(reference::decode_batch<double>(c, shape, {}), Catch::Contains("batch is empty"));
+  }
+  SECTION("an invalid config") {
+    SparseAttentionConfig bad = c;
+    bad.fine_slice = 100;
+    CHECK_THROWS_WITH(reference::decode(bad, shape, s.view()), Catch::Contains("fine_slice"));
+  }
+}
