@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The one command for a GPU host: build for sm_90, run the GPU tests, run them
+# again under compute-sanitizer (memcheck, racecheck), run the benchmarks with
+# JSON output, and print a short summary last.
+#   scripts/gpu-check.sh OUT_DIR
+set -uo pipefail
+out=${1:?usage: scripts/gpu-check.sh OUT_DIR}
+root=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$out"
+cd "$root"
+summary=()
+cmake --preset h200 -DHISPARSE_BUILD_TESTS=ON >/dev/null || exit 1
+cmake --build --preset h200 -j "$(nproc)" || exit 1
+
+ctest --preset h200 -j 4 2>&1 | tee "$out/ctest-gpu.log"
+summary+=("ctest -L gpu: $(grep -E 'tests passed|tests failed' "$out/ctest-gpu.log" | tail -1)")
+
+# compute-sanitizer over every test binary that has GPU tests.
+for exe in build/h200/test/test_gpu_*; do
+  [ -x "$exe" ] || continue
+  for tool in memcheck racecheck; do
+    log="$out/sanitize-$(basename "$exe")-$tool.log"
+    if compute-sanitizer --tool "$tool" --error-exitcode 1 "$exe" "[gpu]" >"$log" 2>&1; then
+      summary+=("$tool $(basename "$exe"): clean")
+    else
+      summary+=("$tool $(basename "$exe"): FAILED (see $(basename "$log"))")
+    fi
+  done
+done
+
+for exe in build/h200/bench/bench_*; do
+  [ -x "$exe" ] || continue
+  name=$(basename "$exe")
+  "$exe" --benchmark_out="$out/$name.json" --benchmark_out_format=json \
+    --benchmark_min_time=0.2 >"$out/$name.txt" 2>&1 || summary+=("$name: FAILED")
+  summary+=("$name: $(grep -c '^BM_' "$out/$name.txt") results")
+done
+
+echo
+echo "== gpu-check summary ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(git rev-parse --short HEAD 2>/dev/null)) =="
+printf '%s\n' "${summary[@]}"
