@@ -1,0 +1,639 @@
+#pragma once
+// The paged KV cache: sequences x layers x KV heads of keys and values in
+// fixed pages from a `page_pool`, with per-slice and per-block key sums kept
+// current by the append kernel itself (no separate pass over the cache).
+// Layout and its reasons: paged_kv_ref.hpp.
+//
+// Ordering: every call on one cache is stream-ordered. The cache remembers the
+// stream of its last launch; a call on another stream first makes that stream
+// wait for the previous one, so alternating streams cannot race on the
+// cache's scratch or page table. `free_sequence` hands pages back at once: do
+// not free a sequence while kernels that read it are still queued on a stream
+// other than the cache's.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "hisparse/core/dtype.hpp"
+#include "hisparse/core/status.hpp"
+#include "hisparse/kv/page_pool.hpp"
+#include "hisparse/kv/paged_kv_ref.hpp"
+#include "hisparse/mr/resource.hpp"
+
+namespace hisparse::kv {
+
+struct paged_kv_cache_options {
+  int num_layers = 1;
+  int num_kv_heads = 8;
+  int head_dim = 128;
+  int fine_slice = 64;       ///< F: tokens per page and per slice summary
+  int coarse_block = 1024;   ///< C: tokens per block summary; a multiple of F
+  int max_sequences = 8;     ///< sequence slots
+  std::int64_t max_context = 262144;  ///< largest reservation of one sequence
+  std::size_t chunk_bytes = std::size_t{1} << 20;  ///< page pool chunk size
+  std::size_t max_pool_bytes = SIZE_MAX;           ///< cap on page memory
+  std::int64_t reserve_pages = 0;                  ///< pages to carve up front
+  bool maintain_summaries = true;  ///< off only for dense-only use, or to measure their cost
+};
+
+/// A run of new tokens for one sequence: rows [row, row + count) of the
+/// packed K/V inputs ([rows][kv_heads][head_dim]) are appended to `slot`.
+struct append_segment {
+  int slot = 0;
+  std::int32_t row = 0;
+  std::int32_t count = 0;
+};
+
+namespace detail {
+
+/// One segment as the append kernel sees it (all int32: positions are below
+/// 2^30 by construction).
+struct append_desc {
+  std::int32_t seq;
+  std::int32_t start;            ///< position of the first new token
+  std::int32_t count;
+  std::int32_t src_row;
+  std::int32_t first_slice;      ///< slice of the first new token
+  std::int32_t first_new_slice;  ///< first slice that gets a fresh page
+  std::int32_t new_page_prefix;  ///< index of its first fresh page in the batch's page list
+  std::int32_t slice_prefix;     ///< CTAs (slices) of the segments before this one
+  std::int32_t block_prefix;     ///< touched blocks of the segments before this one
+};
+
+inline constexpr int kAppendThreads = 128;
+inline constexpr int kMaxHeadDim = 256;
+inline constexpr int kInlineSegments = 32;  ///< decode batches up to 32 ride in kernel parameters
+inline constexpr int kInlinePages = 32;
+
+/// Kernel parameters. Small batches (every decode step up to B = 32) carry
+/// their descriptors inline, so a decode append is one launch and no copy.
+template <class T>
+struct append_batch {
+  T** page_table;
+  float* slice_sums;
+  float* block_sums;
+  float* block_bases;  ///< per block: ordered sum of its complete slices' sums
+  std::int32_t* lengths;
+  unsigned* block_counters;
+  const T* src_k;
+  const T* src_v;
+  const append_desc* segments;  ///< device copy when not inline
+  T* const* new_pages;          ///< device copy when not inline
+  int num_segments;
+  int layer;
+  int layers, kv_heads, head_dim, fine_slice, slices_per_block;
+  std::int32_t max_slices, max_blocks;
+  bool inline_segments, inline_pages, summaries;
+  append_desc segs[kInlineSegments];
+  T* pages[kInlinePages];
+};
+
+template <class T>
+__device__ __forceinline__ void accumulate(float* acc, const uint4& v) {
+  constexpr int kPer = 16 / sizeof(T);
+  T e[kPer];
+  std::memcpy(e, &v, 16);
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) acc[i] += to_float(e[i]);
+}
+
+/// Grid: x = every slice touched by the batch, y = KV head. Each CTA copies
+/// its slice's new K and V rows for one head into the page (16-byte vectors),
+/// sums the new keys in fp32 into the slice sum, and the last CTA of each
+/// touched (block, head) recomputes the block sum from its slices' sums.
+template <class T>
+__global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_constant__ append_batch<T> b) {
+  constexpr int kPer = 16 / sizeof(T);  // elements per 16-byte vector
+  extern __shared__ float partial[];    // [rows_per_pass][head_dim]
+  __shared__ bool last_for_block;
+
+  const append_desc* segs = b.inline_segments ? b.segs : b.segments;
+  int lo = 0, hi = b.num_segments - 1;  // last segment with slice_prefix <= blockIdx.x
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (segs[mid].slice_prefix <= static_cast<int>(blockIdx.x)) lo = mid; else hi = mid - 1;
+  }
+  const append_desc s = segs[lo];
+  const int h = blockIdx.y;
+  const int F = b.fine_slice, D = b.head_dim;
+  const std::int32_t slice = s.first_slice + (static_cast<std::int32_t>(blockIdx.x) - s.slice_prefix);
+  const std::int32_t slice_begin = slice * F;
+  const std::int32_t t0 = max(s.start, slice_begin);
+  const std::int32_t t1 = min(s.start + s.count, slice_begin + F);
+  const std::int64_t table = (std::int64_t{s.seq} * b.layers + b.layer) * b.max_slices + slice;
+
+  T* page;
+  if (slice >= s.first_new_slice) {
+    const int k = s.new_page_prefix + (slice - s.first_new_slice);
+    page = b.inline_pages ? b.pages[k] : b.new_pages[k];
+    if (h == 0 && threadIdx.x == 0) b.page_table[table] = page;
+  } else {
+    page = b.page_table[table];
+  }
+
+  const std::int64_t tile = std::int64_t{F} * D;
+  T* k_dst = page + std::int64_t{h} * tile + std::int64_t{t0 - slice_begin} * D;
+  T* v_dst = page + (std::int64_t{b.kv_heads} + h) * tile + std::int64_t{t0 - slice_begin} * D;
+  const std::int64_t row_stride = std::int64_t{b.kv_heads} * D;
+  const std::int64_t src0 = (std::int64_t{s.src_row} + (t0 - s.start)) * row_stride + std::int64_t{h} * D;
+  const T* k_src = b.src_k + src0;
+  const T* v_src = b.src_v + src0;
+
+  // Summary state this CTA will need, fetched before the copy so its latency
+  // hides behind the copy. A block's sum is always the ordered sum of its
+  // slices' sums: block_base holds that sum over the block's complete slices,
+  // so a CTA that is the only one touching its block this batch (every decode
+  // step) finishes with one add instead of re-reading the block's slices.
+  const std::int32_t end = s.start + s.count;
+  const std::int32_t block = slice / b.slices_per_block;
+  const std::int32_t block_first = block * b.slices_per_block;
+  const std::int32_t in_block_first = max(s.first_slice, block_first);
+  const std::int32_t in_block_last = min((end - 1) / F, block_first + b.slices_per_block - 1);
+  const bool sole_cta = in_block_first == in_block_last;
+  const std::int64_t block_index =
+      ((std::int64_t{s.seq} * b.layers + b.layer) * b.max_blocks + block) * b.kv_heads + h;
+  float* slice_sum = b.slice_sums + (table * b.kv_heads + h) * D;
+  float* block_sum = b.block_sums + block_index * D;
+  float* block_base = b.block_bases + block_index * D;
+  constexpr int kDimsPerThread = kMaxHeadDim / kAppendThreads;
+  float old_sum[kDimsPerThread], base[kDimsPerThread];
+  if (b.summaries) {
+#pragma unroll
+    for (int i = 0; i < kDimsPerThread; ++i) {
+      const int d = threadIdx.x + i * kAppendThreads;
+      old_sum[i] = d < D && t0 > slice_begin ? slice_sum[d] : 0.0f;
+      base[i] = d < D && sole_cta && slice > block_first ? block_base[d] : 0.0f;
+    }
+  }
+
+  // Thread (r, c): column vector c of rows r, r + R, r + 2R, ...
+  const int vecs_per_row = D / kPer;
+  const int rows_per_pass = kAppendThreads / vecs_per_row;
+  const int c = threadIdx.x % vecs_per_row, r = threadIdx.x / vecs_per_row;
+  const int rows = t1 - t0;
+  float acc[kPer] = {};
+  // All loads of a group before any store: the compiler cannot reorder loads
+  // across stores it cannot prove disjoint, and bytes in flight are what
+  // bound a copy.
+  constexpr int kUnroll = 4;
+  for (int base_row = r; base_row < rows; base_row += rows_per_pass * kUnroll) {
+    uint4 kv[kUnroll], vv[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int row = base_row + u * rows_per_pass;
+      if (row < rows) {
+        kv[u] = __ldcs(reinterpret_cast<const uint4*>(k_src + row * row_stride + c * kPer));
+        vv[u] = __ldcs(reinterpret_cast<const uint4*>(v_src + row * row_stride + c * kPer));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int row = base_row + u * rows_per_pass;
+      if (row < rows) {
+        *reinterpret_cast<uint4*>(k_dst + std::int64_t{row} * D + c * kPer) = kv[u];
+        *reinterpret_cast<uint4*>(v_dst + std::int64_t{row} * D + c * kPer) = vv[u];
+        if (b.summaries) accumulate<T>(acc, kv[u]);
+      }
+    }
+  }
+  const bool first_cta_of_segment = blockIdx.x == static_cast<unsigned>(s.slice_prefix) && h == 0;
+  if (first_cta_of_segment && threadIdx.x == 0) b.lengths[std::int64_t{s.seq} * b.layers + b.layer] = end;
+  if (!b.summaries) return;
+
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) partial[r * D + c * kPer + i] = acc[i];
+  __syncthreads();
+
+  // Slice sum: the stored sum (if the slice already held tokens) plus the
+  // row groups' partials in a fixed order: deterministic.
+  const bool slice_complete = (slice + 1) * F <= end;
+#pragma unroll
+  for (int i = 0; i < kDimsPerThread; ++i) {
+    const int d = threadIdx.x + i * kAppendThreads;
+    if (d >= D) break;
+    float sum = old_sum[i];
+    for (int j = 0; j < rows_per_pass; ++j) sum += partial[j * D + d];
+    slice_sum[d] = sum;
+    if (sole_cta) {
+      block_sum[d] = base[i] + sum;
+      if (slice_complete) block_base[d] = base[i] + sum;
+    }
+  }
+  if (sole_cta) return;
+
+  // Several slices of this block in one batch (prefill): the last of their
+  // CTAs to finish rebuilds the block from the base and the touched slices.
+  unsigned* counter =
+      b.block_counters + (std::int64_t{s.block_prefix} + (block - s.first_slice / b.slices_per_block)) * b.kv_heads + h;
+  const auto expected = static_cast<unsigned>(in_block_last - in_block_first + 1);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last_for_block = atomicAdd(counter, 1u) == expected - 1;
+  __syncthreads();
+  if (!last_for_block) return;
+  __threadfence();
+  const float* first_sum = slice_sum - std::int64_t{slice - in_block_first} * b.kv_heads * D;
+  for (int d = threadIdx.x; d < D; d += kAppendThreads) {
+    float complete = in_block_first > block_first ? __ldcg(block_base + d) : 0.0f;
+    float total = complete;
+    for (std::int32_t sl = 0; sl <= in_block_last - in_block_first; ++sl) {
+      const float v = __ldcg(first_sum + std::int64_t{sl} * b.kv_heads * D + d);
+      if ((in_block_first + sl + 1) * F <= end) {
+        complete += v;
+        total = complete;
+      } else {
+        total = complete + v;  // the partial frontier slice: never in the base
+      }
+    }
+    block_base[d] = complete;
+    block_sum[d] = total;
+  }
+  if (threadIdx.x == 0) *counter = 0;  // ready for the next batch
+}
+
+}  // namespace detail
+
+template <class T, mr::resource Resource>
+class paged_kv_cache {
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half> || std::is_same_v<T, float>,
+                "paged_kv_cache stores bf16, fp16 or fp32");
+  static_assert(Resource::device_accessible, "paged_kv_cache needs device-accessible memory");
+
+ public:
+  using value_type = T;
+
+  paged_kv_cache(Resource& resource, const paged_kv_cache_options& o, cudaStream_t stream = nullptr)
+      : resource_(&resource), opt_(validated(o)), pool_(resource, pool_options(opt_)), stream_(stream) {
+    max_slices_ = static_cast<std::int32_t>((opt_.max_context + opt_.fine_slice - 1) / opt_.fine_slice);
+    max_blocks_ = static_cast<std::int32_t>((opt_.max_context + opt_.coarse_block - 1) / opt_.coarse_block);
+    const std::int64_t seq_layers = std::int64_t{opt_.max_sequences} * opt_.num_layers;
+    const std::int64_t vec = std::int64_t{opt_.num_kv_heads} * opt_.head_dim;
+    table_bytes_ = static_cast<std::size_t>(seq_layers * max_slices_) * sizeof(T*);
+    slice_bytes_ = static_cast<std::size_t>(seq_layers * max_slices_ * vec) * sizeof(float);
+    block_bytes_ = static_cast<std::size_t>(seq_layers * max_blocks_ * vec) * sizeof(float);
+    length_bytes_ = static_cast<std::size_t>(seq_layers) * sizeof(std::int32_t);
+    counter_bytes_ = static_cast<std::size_t>(std::int64_t{opt_.max_sequences} * max_blocks_ * opt_.num_kv_heads) *
+                     sizeof(unsigned);
+    pages_offset_ = (static_cast<std::size_t>(opt_.max_sequences) * sizeof(detail::append_desc) + mr::kAlignment - 1) /
+                    mr::kAlignment * mr::kAlignment;
+    scratch_bytes_ =
+        pages_offset_ + static_cast<std::size_t>(std::int64_t{opt_.max_sequences} * max_slices_) * sizeof(T*);
+    try {
+      page_table_ = static_cast<T**>(resource_->allocate(table_bytes_, stream_));
+      slice_sums_ = static_cast<float*>(resource_->allocate(slice_bytes_, stream_));
+      block_sums_ = static_cast<float*>(resource_->allocate(block_bytes_, stream_));
+      block_bases_ = static_cast<float*>(resource_->allocate(block_bytes_, stream_));
+      lengths_ = static_cast<std::int32_t*>(resource_->allocate(length_bytes_, stream_));
+      counters_ = static_cast<unsigned*>(resource_->allocate(counter_bytes_, stream_));
+      scratch_ = static_cast<std::byte*>(resource_->allocate(scratch_bytes_, stream_));
+      HISPARSE_CUDA_CHECK(cudaMemsetAsync(page_table_, 0, table_bytes_, stream_));
+      HISPARSE_CUDA_CHECK(cudaMemsetAsync(lengths_, 0, length_bytes_, stream_));
+      HISPARSE_CUDA_CHECK(cudaMemsetAsync(counters_, 0, counter_bytes_, stream_));
+      HISPARSE_CUDA_CHECK(cudaEventCreateWithFlags(&last_launch_, cudaEventDisableTiming));
+    } catch (...) {
+      release();
+      throw;
+    }
+    slots_.resize(static_cast<std::size_t>(opt_.max_sequences));
+  }
+
+  paged_kv_cache(const paged_kv_cache&) = delete;
+  paged_kv_cache& operator=(const paged_kv_cache&) = delete;
+  ~paged_kv_cache() { release(); }
+
+  [[nodiscard]] const paged_kv_cache_options& options() const noexcept { return opt_; }
+  [[nodiscard]] const page_pool<Resource>& pool() const noexcept { return pool_; }
+
+  /// Claims a free sequence slot able to grow to `reserved_length` tokens.
+  [[nodiscard]] status add_sequence(std::int64_t reserved_length, int& slot) {
+    if (reserved_length < 1 || reserved_length > opt_.max_context)
+      return fail(status::invalid_argument, "add_sequence: reserved_length " + std::to_string(reserved_length) +
+                                                " must be in [1, max_context = " +
+                                                std::to_string(opt_.max_context) + "]");
+    for (std::size_t i = 0; i < slots_.size(); ++i)
+      if (!slots_[i].active) {
+        slots_[i].active = true;
+        slots_[i].reserved = reserved_length;
+        slots_[i].lengths.assign(static_cast<std::size_t>(opt_.num_layers), 0);
+        slots_[i].pages.assign(static_cast<std::size_t>(opt_.num_layers), {});
+        slot = static_cast<int>(i);
+        return status::success;
+      }
+    return fail(status::out_of_memory,
+                "add_sequence: all " + std::to_string(opt_.max_sequences) + " sequence slots are in use");
+  }
+
+  /// Returns a sequence's pages to the pool and frees its slot. Stream-ordered
+  /// on `stream`: later appends that reuse the pages run after earlier work.
+  [[nodiscard]] status free_sequence(int slot, cudaStream_t stream = nullptr) {
+    HISPARSE_TRY(check_slot(slot, "free_sequence"));
+    HISPARSE_TRY(order_after_last(stream));
+    auto& s = slots_[static_cast<std::size_t>(slot)];
+    for (auto& layer_pages : s.pages) {
+      HISPARSE_TRY(pool_.deallocate(layer_pages));
+      layer_pages.clear();
+    }
+    HISPARSE_CUDA_TRY(cudaMemsetAsync(lengths_ + std::int64_t{slot} * opt_.num_layers, 0,
+                                      sizeof(std::int32_t) * static_cast<std::size_t>(opt_.num_layers), stream));
+    HISPARSE_CUDA_TRY(cudaEventRecord(last_launch_, stream));
+    last_stream_ = stream;
+    s = slot_state{};
+    return status::success;
+  }
+
+  /// Appends one token to each sequence in `slots` for `layer`; k and v are
+  /// device arrays [slots.size()][kv_heads][head_dim], 16-byte aligned.
+  [[nodiscard]] status append_decode_async(int layer, std::span<const int> slots, const T* k, const T* v,
+                                           cudaStream_t stream) {
+    std::vector<append_segment> segs(slots.size());
+    for (std::size_t i = 0; i < slots.size(); ++i) segs[i] = {slots[i], static_cast<std::int32_t>(i), 1};
+    return append_async(layer, segs, k, v, stream);
+  }
+
+  /// Type-checked entry for engines that hold untyped buffers.
+  [[nodiscard]] status append_async(int layer, std::span<const append_segment> segments, const void* k,
+                                    const void* v, dtype kv_dtype, cudaStream_t stream) {
+    if (kv_dtype != dtype_of_v<T>)
+      return fail(status::invalid_argument, std::string("append: K/V dtype ") + std::string(name_of(kv_dtype)) +
+                                                " does not match the cache's " +
+                                                std::string(name_of(dtype_of_v<T>)));
+    return append_async(layer, segments, static_cast<const T*>(k), static_cast<const T*>(v), stream);
+  }
+
+  /// Appends ragged chunks (prefill, or decode) for `layer`: each segment's
+  /// rows of the packed k/v ([rows][kv_heads][head_dim], device, 16-byte
+  /// aligned) go to the end of its sequence. All or nothing: on any error
+  /// nothing is appended and no page is taken.
+  [[nodiscard]] status append_async(int layer, std::span<const append_segment> segments, const T* k, const T* v,
+                                    cudaStream_t stream) {
+    if (layer < 0 || layer >= opt_.num_layers)
+      return fail(status::invalid_argument, "append: layer " + std::to_string(layer) + " out of range [0, " +
+                                                std::to_string(opt_.num_layers) + ")");
+    if (segments.empty()) return fail(status::invalid_argument, "append: no segments");
+    if (segments.size() > static_cast<std::size_t>(opt_.max_sequences))
+      return fail(status::invalid_argument, "append: more segments than sequence slots");
+    if (k == nullptr || v == nullptr) return fail(status::invalid_argument, "append: k and v must not be null");
+    if (reinterpret_cast<std::uintptr_t>(k) % 16 != 0 || reinterpret_cast<std::uintptr_t>(v) % 16 != 0)
+      return fail(status::invalid_argument, "append: k and v must be 16-byte aligned");
+    std::vector<bool> seen(slots_.size(), false);
+    for (const auto& seg : segments) {
+      HISPARSE_TRY(check_slot(seg.slot, "append"));
+      if (seen[static_cast<std::size_t>(seg.slot)])
+        return fail(status::invalid_argument,
+                    "append: sequence " + std::to_string(seg.slot) + " appears twice in one call");
+      seen[static_cast<std::size_t>(seg.slot)] = true;
+      if (seg.count < 1 || seg.row < 0)
+        return fail(status::invalid_argument, "append: segment rows must be non-negative and count >= 1");
+      const auto& s = slots_[static_cast<std::size_t>(seg.slot)];
+      const std::int64_t len = s.lengths[static_cast<std::size_t>(layer)];
+      if (len + seg.count > s.reserved)
+        return fail(status::invalid_argument, "append: sequence " + std::to_string(seg.slot) + " layer " +
+                                                  std::to_string(layer) + " would grow to " +
+                                                  std::to_string(len + seg.count) + " tokens, past its reserved " +
+                                                  std::to_string(s.reserved));
+    }
+
+    // Descriptors and the pages the batch needs (taken all at once).
+    const int F = opt_.fine_slice, spb = opt_.coarse_block / opt_.fine_slice;
+    std::vector<detail::append_desc> descs;
+    std::int32_t slices = 0, blocks = 0, new_pages = 0;
+    for (const auto& seg : segments) {
+      const auto& s = slots_[static_cast<std::size_t>(seg.slot)];
+      const auto start = static_cast<std::int32_t>(s.lengths[static_cast<std::size_t>(layer)]);
+      const std::int32_t first = start / F, last = (start + seg.count - 1) / F;
+      const std::int32_t first_new = start % F == 0 ? first : first + 1;
+      descs.push_back({seg.slot, start, seg.count, seg.row, first, first_new, new_pages, slices, blocks});
+      slices += last - first + 1;
+      blocks += last / spb - first / spb + 1;
+      new_pages += last - first_new + 1;
+    }
+    std::vector<page_id> ids(static_cast<std::size_t>(new_pages));
+    HISPARSE_TRY(order_after_last(stream));
+    HISPARSE_TRY(pool_.allocate(ids));
+    std::vector<T*> addresses(ids.size());
+    for (std::size_t i = 0; i < ids.size(); ++i) addresses[i] = reinterpret_cast<T*>(pool_.address(ids[i]));
+
+    detail::append_batch<T> batch{};
+    batch.page_table = page_table_;
+    batch.slice_sums = slice_sums_;
+    batch.block_sums = block_sums_;
+    batch.block_bases = block_bases_;
+    batch.lengths = lengths_;
+    batch.block_counters = counters_;
+    batch.src_k = k;
+    batch.src_v = v;
+    batch.num_segments = static_cast<int>(descs.size());
+    batch.layer = layer;
+    batch.layers = opt_.num_layers;
+    batch.kv_heads = opt_.num_kv_heads;
+    batch.head_dim = opt_.head_dim;
+    batch.fine_slice = F;
+    batch.slices_per_block = spb;
+    batch.max_slices = max_slices_;
+    batch.max_blocks = max_blocks_;
+    batch.summaries = opt_.maintain_summaries;
+    batch.inline_segments = descs.size() <= detail::kInlineSegments;
+    batch.inline_pages = addresses.size() <= detail::kInlinePages;
+    auto* dev_descs = reinterpret_cast<detail::append_desc*>(scratch_);
+    auto* dev_pages = reinterpret_cast<T**>(scratch_ + pages_offset_);
+    status st = status::success;
+    if (batch.inline_segments) {
+      std::copy(descs.begin(), descs.end(), batch.segs);
+    } else if (cudaMemcpyAsync(dev_descs, descs.data(), descs.size() * sizeof(descs[0]), cudaMemcpyHostToDevice,
+                               stream) != cudaSuccess) {
+      st = fail(status::cuda_error, "append: descriptor upload failed");
+    }
+    batch.segments = dev_descs;
+    if (st == status::success) {
+      if (batch.inline_pages) {
+        std::copy(addresses.begin(), addresses.end(), batch.pages);
+      } else if (cudaMemcpyAsync(dev_pages, addresses.data(), addresses.size() * sizeof(T*),
+                                 cudaMemcpyHostToDevice, stream) != cudaSuccess) {
+        st = fail(status::cuda_error, "append: page list upload failed");
+      }
+    }
+    batch.new_pages = dev_pages;
+    if (st == status::success) {
+      const int rows_per_pass = detail::kAppendThreads / (opt_.head_dim * static_cast<int>(sizeof(T)) / 16);
+      const std::size_t smem = static_cast<std::size_t>(rows_per_pass) * opt_.head_dim * sizeof(float);
+      detail::append_kernel<T><<<dim3(static_cast<unsigned>(slices), static_cast<unsigned>(opt_.num_kv_heads)),
+                                 detail::kAppendThreads, smem, stream>>>(batch);
+      if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess)
+        st = fail(status::cuda_error, std::string("append kernel launch failed: ") + cudaGetErrorString(e));
+    }
+    if (st != status::success) {
+      (void)pool_.deallocate(ids);  // nothing was appended: give the pages back
+      return st;
+    }
+    HISPARSE_CUDA_TRY(cudaEventRecord(last_launch_, stream));
+    last_stream_ = stream;
+    // Commit host state only after a successful launch.
+    std::size_t next = 0;
+    for (std::size_t i = 0; i < segments.size(); ++i) {
+      auto& s = slots_[static_cast<std::size_t>(segments[i].slot)];
+      auto& pages = s.pages[static_cast<std::size_t>(layer)];
+      const auto& d = descs[i];
+      const std::int32_t fresh = (d.start + d.count - 1) / F - d.first_new_slice + 1;
+      pages.insert(pages.end(), ids.begin() + static_cast<std::ptrdiff_t>(next),
+                   ids.begin() + static_cast<std::ptrdiff_t>(next + static_cast<std::size_t>(std::max(fresh, 0))));
+      next += static_cast<std::size_t>(std::max(fresh, 0));
+      s.lengths[static_cast<std::size_t>(layer)] += d.count;
+    }
+    return status::success;
+  }
+
+  [[nodiscard]] std::int64_t length(int slot, int layer) const {
+    if (check_slot(slot, "length") != status::success || layer < 0 || layer >= opt_.num_layers)
+      throw error(status::invalid_argument, "length: unknown sequence or layer");
+    return slots_[static_cast<std::size_t>(slot)].lengths[static_cast<std::size_t>(layer)];
+  }
+  [[nodiscard]] bool active(int slot) const {
+    return slot >= 0 && slot < opt_.max_sequences && slots_[static_cast<std::size_t>(slot)].active;
+  }
+
+  /// The view kernels read.
+  [[nodiscard]] paged_kv_ref<T> ref() const noexcept {
+    paged_kv_ref<T> r;
+    r.page_table = page_table_;
+    r.slice_sums = slice_sums_;
+    r.block_sums = block_sums_;
+    r.lengths = lengths_;
+    r.layers = opt_.num_layers;
+    r.kv_heads = opt_.num_kv_heads;
+    r.head_dim = opt_.head_dim;
+    r.fine_slice = opt_.fine_slice;
+    r.coarse_block = opt_.coarse_block;
+    r.max_slices = max_slices_;
+    r.max_blocks = max_blocks_;
+    return r;
+  }
+
+  /// Copies one (sequence, layer) to host as contiguous [length][kv_heads][head_dim]
+  /// keys and values. Synchronous; for tests and debugging.
+  void download(int slot, int layer, std::vector<T>& keys, std::vector<T>& values) const {
+    const std::int64_t len = length(slot, layer);
+    const int F = opt_.fine_slice, H = opt_.num_kv_heads, D = opt_.head_dim;
+    HISPARSE_CUDA_CHECK(cudaStreamSynchronize(last_stream_));
+    keys.assign(static_cast<std::size_t>(len * H * D), T{});
+    values.assign(keys.size(), T{});
+    const auto& pages = slots_[static_cast<std::size_t>(slot)].pages[static_cast<std::size_t>(layer)];
+    for (std::size_t sl = 0; sl < pages.size(); ++sl) {
+      const auto* page = reinterpret_cast<const T*>(pool_.address(pages[sl]));
+      const std::int64_t rows = std::min<std::int64_t>(F, len - static_cast<std::int64_t>(sl) * F);
+      for (int h = 0; h < H; ++h)
+        for (int kv = 0; kv < 2; ++kv) {
+          T* dst = (kv == 0 ? keys : values).data() + (static_cast<std::int64_t>(sl) * F * H + h) * D;
+          const T* src = page + (std::int64_t{kv} * H + h) * F * D;
+          HISPARSE_CUDA_CHECK(cudaMemcpy2D(dst, sizeof(T) * H * D, src, sizeof(T) * D, sizeof(T) * D,
+                                           static_cast<std::size_t>(rows), cudaMemcpyDeviceToHost));
+        }
+    }
+  }
+
+  /// Copies one (sequence, layer)'s summary sums to host: slice sums
+  /// [ceil(length/F)][kv_heads][head_dim] and block sums
+  /// [ceil(length/C)][kv_heads][head_dim], and the device's stored length.
+  void download_summaries(int slot, int layer, std::vector<float>& slice_sums, std::vector<float>& block_sums,
+                          std::int32_t& device_length) const {
+    const std::int64_t len = length(slot, layer);
+    const std::int64_t vec = std::int64_t{opt_.num_kv_heads} * opt_.head_dim;
+    const std::int64_t slices = (len + opt_.fine_slice - 1) / opt_.fine_slice;
+    const std::int64_t blocks = (len + opt_.coarse_block - 1) / opt_.coarse_block;
+    const std::int64_t seq_layer = std::int64_t{slot} * opt_.num_layers + layer;
+    HISPARSE_CUDA_CHECK(cudaStreamSynchronize(last_stream_));
+    slice_sums.resize(static_cast<std::size_t>(slices * vec));
+    block_sums.resize(static_cast<std::size_t>(blocks * vec));
+    HISPARSE_CUDA_CHECK(cudaMemcpy(slice_sums.data(), slice_sums_ + seq_layer * max_slices_ * vec,
+                                   slice_sums.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    HISPARSE_CUDA_CHECK(cudaMemcpy(block_sums.data(), block_sums_ + seq_layer * max_blocks_ * vec,
+                                   block_sums.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    HISPARSE_CUDA_CHECK(cudaMemcpy(&device_length, lengths_ + seq_layer, sizeof(std::int32_t),
+                                   cudaMemcpyDeviceToHost));
+  }
+
+ private:
+  struct slot_state {
+    bool active = false;
+    std::int64_t reserved = 0;
+    std::vector<std::int64_t> lengths;        // [layer]
+    std::vector<std::vector<page_id>> pages;  // [layer][slice]
+  };
+
+  static paged_kv_cache_options validated(const paged_kv_cache_options& o) {
+    auto bad = [](const std::string& why) { throw error(status::invalid_argument, "paged_kv_cache_options." + why); };
+    if (o.num_layers < 1) bad("num_layers must be >= 1");
+    if (o.num_kv_heads < 1 || o.num_kv_heads > kMaxHeadsForCache) bad("num_kv_heads must be in [1, 1024]");
+    if (o.head_dim != 64 && o.head_dim != 128 && o.head_dim != 256) bad("head_dim must be 64, 128 or 256");
+    if (o.fine_slice < 1 || o.fine_slice > 1024) bad("fine_slice must be in [1, 1024]");
+    if (o.coarse_block < o.fine_slice || o.coarse_block % o.fine_slice != 0)
+      bad("coarse_block must be a multiple of fine_slice");
+    if (o.max_sequences < 1 || o.max_sequences > 4096) bad("max_sequences must be in [1, 4096]");
+    if (o.max_context < 1 || o.max_context > (std::int64_t{1} << 30)) bad("max_context must be in [1, 2^30]");
+    return o;
+  }
+  static constexpr int kMaxHeadsForCache = 1024;
+
+  static page_pool_options pool_options(const paged_kv_cache_options& o) {
+    page_pool_options p;
+    p.page_bytes = 2 * static_cast<std::size_t>(o.num_kv_heads) * o.fine_slice * o.head_dim * sizeof(T);
+    p.page_bytes = (p.page_bytes + mr::kAlignment - 1) / mr::kAlignment * mr::kAlignment;
+    p.chunk_bytes = std::max(o.chunk_bytes, p.page_bytes);
+    p.max_bytes = o.max_pool_bytes;
+    p.reserve_pages = o.reserve_pages;
+    return p;
+  }
+
+  [[nodiscard]] status check_slot(int slot, const char* what) const {
+    if (slot < 0 || slot >= opt_.max_sequences || !slots_[static_cast<std::size_t>(slot)].active)
+      return fail(status::invalid_argument, std::string(what) + ": unknown sequence id " + std::to_string(slot));
+    return status::success;
+  }
+
+  [[nodiscard]] status order_after_last(cudaStream_t stream) {
+    if (stream != last_stream_) HISPARSE_CUDA_TRY(cudaStreamWaitEvent(stream, last_launch_, 0));
+    return status::success;
+  }
+
+  void release() noexcept {
+    auto give = [&](auto*& p, std::size_t bytes) {
+      if (p != nullptr) resource_->deallocate(p, bytes, last_stream_);
+      p = nullptr;
+    };
+    give(page_table_, table_bytes_);
+    give(slice_sums_, slice_bytes_);
+    give(block_sums_, block_bytes_);
+    give(block_bases_, block_bytes_);
+    give(lengths_, length_bytes_);
+    give(counters_, counter_bytes_);
+    give(scratch_, scratch_bytes_);
+    if (last_launch_ != nullptr) cudaEventDestroy(last_launch_);
+    last_launch_ = nullptr;
+  }
+
+  Resource* resource_;
+  paged_kv_cache_options opt_;
+  page_pool<Resource> pool_;
+  cudaStream_t stream_ = nullptr;
+  cudaStream_t last_stream_ = nullptr;
+  cudaEvent_t last_launch_ = nullptr;
+  std::int32_t max_slices_ = 0, max_blocks_ = 0;
+  std::size_t table_bytes_ = 0, slice_bytes_ = 0, block_bytes_ = 0, length_bytes_ = 0, counter_bytes_ = 0,
+              scratch_bytes_ = 0, pages_offset_ = 0;
+  T** page_table_ = nullptr;
+  float* slice_sums_ = nullptr;
+  float* block_sums_ = nullptr;
+  float* block_bases_ = nullptr;
+  std::int32_t* lengths_ = nullptr;
+  unsigned* counters_ = nullptr;
+  std::byte* scratch_ = nullptr;
+  std::vector<slot_state> slots_;
+};
+
+}  // namespace hisparse::kv
