@@ -19,12 +19,14 @@ summary+=("ctest -L gpu: $(grep -E 'tests passed|tests failed' "$out/ctest-gpu.l
 for exe in build/h200/test/test_gpu_*; do
   [ -x "$exe" ] || continue
   for tool in memcheck racecheck; do
-    log="$out/sanitize-$(basename "$exe")-$tool.log"
+    log=$(mktemp)
     if compute-sanitizer --tool "$tool" --error-exitcode 1 "$exe" "[gpu]" >"$log" 2>&1; then
       summary+=("$tool $(basename "$exe"): clean")
     else
-      summary+=("$tool $(basename "$exe"): FAILED (see $(basename "$log"))")
+      summary+=("$tool $(basename "$exe"): FAILED (see sanitize.log)")
     fi
+    { echo "=== $tool $(basename "$exe")"; tail -n 40 "$log"; } >>"$out/sanitize.log"
+    rm -f "$log"
   done
 done
 
@@ -37,5 +39,8 @@ for exe in build/h200/bench/bench_*; do
 done
 
 echo
-echo "== gpu-check summary ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(git rev-parse --short HEAD 2>/dev/null)) =="
+echo "== benchmark rows =="
+for f in "$out"/bench_*.txt; do grep -h '^BM_' "$f" | cut -c1-160; done
+echo
+echo "== gpu-check summary ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), ${HISPARSE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}) =="
 printf '%s\n' "${summary[@]}"
