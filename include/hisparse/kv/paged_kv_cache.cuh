@@ -69,8 +69,12 @@ struct append_desc {
 
 inline constexpr int kAppendThreads = 128;
 inline constexpr int kMaxHeadDim = 256;
-inline constexpr int kInlineSegments = 32;  ///< decode batches up to 32 ride in kernel parameters
-inline constexpr int kInlinePages = 32;
+// Descriptors ride in the kernel parameters (4 KB on every supported arch)
+// when they fit: decode batches up to 32 sequences and prefill chunks up to
+// 256 pages (16K tokens at F = 64) launch with no host-to-device copy, which
+// measured as the largest fixed cost of a 4K-token append.
+inline constexpr int kInlineSegments = 32;
+inline constexpr int kInlinePages = 256;
 
 /// Kernel parameters. Small batches (every decode step up to B = 32) carry
 /// their descriptors inline, so a decode append is one launch and no copy.
@@ -94,6 +98,8 @@ struct append_batch {
   append_desc segs[kInlineSegments];
   T* pages[kInlinePages];
 };
+
+static_assert(sizeof(append_batch<float>) <= 4000, "append_batch must fit the 4 KB kernel parameter space");
 
 template <class T>
 __device__ __forceinline__ void accumulate(float* acc, const uint4& v) {
