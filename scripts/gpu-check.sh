@@ -12,8 +12,11 @@ summary=()
 cmake --preset h200 -DHISPARSE_BUILD_TESTS=ON >/dev/null || exit 1
 cmake --build --preset h200 -j "$(nproc)" || exit 1
 
-ctest --preset h200 -j 4 2>&1 | tee "$out/ctest-gpu.log"
-summary+=("ctest -L gpu: $(grep -E 'tests passed|tests failed' "$out/ctest-gpu.log" | tail -1)")
+# Only JSON, the sanitizer digest and this script's own output go to OUT_DIR
+# (a lent GPU host returns few files); the rest stays in a scratch folder.
+scratch=$(mktemp -d)
+ctest --preset h200 -j 4 2>&1 | tee "$scratch/ctest-gpu.log"
+summary+=("ctest -L gpu: $(grep -E 'tests passed|tests failed' "$scratch/ctest-gpu.log" | tail -1)")
 
 # compute-sanitizer over every test binary that has GPU tests.
 for exe in build/h200/test/test_gpu_*; do
@@ -22,9 +25,10 @@ for exe in build/h200/test/test_gpu_*; do
     log=$(mktemp)
     # Tests tagged [expected_api_error] make a CUDA call fail on purpose: run
     # them without API-error reporting, everything else with it.
-    if compute-sanitizer --tool "$tool" --error-exitcode 1 "$exe" "[gpu]~[expected_api_error]" >"$log" 2>&1 &&
-       compute-sanitizer --tool "$tool" --error-exitcode 1 --report-api-errors no "$exe" "[expected_api_error]" \
-         >>"$log" 2>&1; then
+    if timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 1 "$exe" "[gpu]~[expected_api_error]" \
+         >"$log" 2>&1 &&
+       timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 1 --report-api-errors no "$exe" \
+         "[expected_api_error]" >>"$log" 2>&1; then
       summary+=("$tool $(basename "$exe"): clean")
     else
       summary+=("$tool $(basename "$exe"): FAILED (see sanitize.log)")
@@ -38,13 +42,21 @@ for exe in build/h200/bench/bench_*; do
   [ -x "$exe" ] || continue
   name=$(basename "$exe")
   "$exe" --benchmark_out="$out/$name.json" --benchmark_out_format=json \
-    --benchmark_min_time=0.2 >"$out/$name.txt" 2>&1 || summary+=("$name: FAILED")
-  summary+=("$name: $(grep -c '^BM_' "$out/$name.txt") results")
+    --benchmark_min_time=0.2 >"$scratch/$name.txt" 2>&1 || summary+=("$name: FAILED")
+  summary+=("$name: $(grep -c '^BM_' "$scratch/$name.txt") results")
 done
+
+# torch.topk on the same shapes as bench_topk, for the side-by-side table.
+if python3 scripts/torch_topk.py "$out/torch_topk.json" >"$scratch/torch_topk.txt" 2>&1; then
+  summary+=("torch_topk: done")
+  cat "$scratch/torch_topk.txt"
+else
+  summary+=("torch_topk: FAILED")
+fi
 
 echo
 echo "== benchmark rows =="
-for f in "$out"/bench_*.txt; do grep -h '^BM_' "$f" | cut -c1-160; done
+for f in "$scratch"/bench_*.txt; do grep -h '^BM_' "$f" | cut -c1-160; done
 echo
 echo "== gpu-check summary ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), ${HISPARSE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}) =="
 printf '%s\n' "${summary[@]}"

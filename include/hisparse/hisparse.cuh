@@ -20,3 +20,6 @@
 #include "hisparse/kv/page_pool.hpp"
 #include "hisparse/kv/paged_kv_cache.cuh"
 #include "hisparse/kv/paged_kv_ref.hpp"
+#include "hisparse/select/decode_selection.cuh"
+#include "hisparse/select/topk.cuh"
+#include "hisparse/select/topk_keys.hpp"

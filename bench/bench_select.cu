@@ -1,0 +1,133 @@
+// Decode selection (coarse + fine filter, one launch) over a paged KV cache,
+// for the 7B GQA model (32 query heads, 8 KV heads, head_dim 128, bf16) with
+// the default config. Timed eagerly (CUDA events around one launch) and as
+// CUDA-graph replays (how a serving engine runs a decode step).
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "hisparse/kv/paged_kv_cache.cuh"
+#include "hisparse/mr/device_pool_resource.hpp"
+#include "hisparse/select/decode_selection.cuh"
+#include "hisparse/workload/synthetic.hpp"
+
+namespace {
+
+using namespace hisparse;
+using bf16 = __nv_bfloat16;
+constexpr int kQHeads = 32, kKvHeads = 8, kDim = 128;
+
+template <class T>
+T* device_copy(const std::vector<T>& h) {
+  T* p = nullptr;
+  HISPARSE_CUDA_CHECK(cudaMalloc(&p, h.size() * sizeof(T)));
+  HISPARSE_CUDA_CHECK(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return p;
+}
+
+void BM_decode_selection(benchmark::State& state) {
+  const int batch = static_cast<int>(state.range(0));
+  const auto context = static_cast<std::int32_t>(state.range(1));
+  const SparseAttentionConfig cfg;
+  mr::device_pool_resource device;
+  kv::paged_kv_cache_options o;
+  o.num_kv_heads = kKvHeads;
+  o.head_dim = kDim;
+  o.max_sequences = batch;
+  o.max_context = context;
+  kv::paged_kv_cache<bf16, mr::device_pool_resource> cache(device, o);
+  // Fill every sequence by appending one random 16K-token chunk repeatedly:
+  // the selection's time depends on the sizes, not on which blocks win.
+  constexpr std::int32_t kChunk = 16384;
+  workload::splitmix64 rng(3);
+  std::vector<bf16> host(static_cast<std::size_t>(kChunk) * kKvHeads * kDim);
+  for (auto& x : host) x = from_float<bf16>(static_cast<float>(rng.normal()));
+  bf16* chunk = device_copy(host);
+  std::vector<std::int32_t> slots(static_cast<std::size_t>(batch));
+  for (auto& s : slots) {
+    int slot = 0;
+    throw_if_error(cache.add_sequence(context, slot));
+    s = slot;
+    for (std::int32_t done = 0; done < context; done += kChunk) {
+      const std::int32_t n = std::min(kChunk, context - done);
+      throw_if_error(cache.append_async(0, std::vector<kv::append_segment>{{slot, 0, n}}, chunk, chunk, nullptr));
+    }
+  }
+  std::vector<bf16> q(static_cast<std::size_t>(batch) * kQHeads * kDim);
+  for (auto& x : q) x = from_float<bf16>(static_cast<float>(rng.normal()));
+  bf16* d_q = device_copy(q);
+  std::int32_t* d_slots = device_copy(slots);
+  std::int32_t *kept = nullptr, *num = nullptr, *window = nullptr;
+  HISPARSE_CUDA_CHECK(cudaMalloc(&kept, sizeof(std::int32_t) * batch * kKvHeads * cfg.top_k_fine));
+  HISPARSE_CUDA_CHECK(cudaMalloc(&num, sizeof(std::int32_t) * batch * kKvHeads));
+  HISPARSE_CUDA_CHECK(cudaMalloc(&window, sizeof(std::int32_t) * batch));
+  select::decode_selection_arguments<bf16> a;
+  a.queries = d_q;
+  a.slots = d_slots;
+  a.batch = batch;
+  a.num_q_heads = kQHeads;
+  a.set_cache(cache.ref());
+  const select::decode_selection_output out{kept, num, window};
+
+  cudaStream_t stream = nullptr;
+  HISPARSE_CUDA_CHECK(cudaStreamCreate(&stream));
+  cudaEvent_t start, stop;
+  HISPARSE_CUDA_CHECK(cudaEventCreate(&start));
+  HISPARSE_CUDA_CHECK(cudaEventCreate(&stop));
+  // Graph of kReplays back-to-back selections: the per-step time of a replay.
+  constexpr int kReplays = 20;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  HISPARSE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  for (int i = 0; i < kReplays; ++i) throw_if_error(select::select_decode_async(cfg, a, out, stream));
+  HISPARSE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  HISPARSE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  HISPARSE_CUDA_CHECK(cudaGraphLaunch(exec, stream));  // warm-up
+  std::vector<double> eager, replay;
+  for (auto _ : state) {
+    HISPARSE_CUDA_CHECK(cudaEventRecord(start, stream));
+    throw_if_error(select::select_decode_async(cfg, a, out, stream));
+    HISPARSE_CUDA_CHECK(cudaEventRecord(stop, stream));
+    HISPARSE_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    HISPARSE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    eager.push_back(ms * 1e-3);
+    HISPARSE_CUDA_CHECK(cudaEventRecord(start, stream));
+    HISPARSE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    HISPARSE_CUDA_CHECK(cudaEventRecord(stop, stream));
+    HISPARSE_CUDA_CHECK(cudaEventSynchronize(stop));
+    HISPARSE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    replay.push_back(ms * 1e-3 / kReplays);
+    state.SetIterationTime(replay.back());
+  }
+  std::sort(eager.begin(), eager.end());
+  std::sort(replay.begin(), replay.end());
+  const double t_replay = replay[replay.size() / 2], t_eager = eager[eager.size() / 2];
+  // Bytes the step must read: every candidate block's sum, the kept blocks'
+  // slice sums, the queries.
+  const double blocks = context / 1024.0;
+  const double bytes = batch * kKvHeads * (blocks + cfg.top_k_coarse * 16.0) * kDim * 4.0 + q.size() * 2.0;
+  state.counters["replay_us"] = t_replay * 1e6;
+  state.counters["eager_us"] = t_eager * 1e6;
+  state.counters["MB_read"] = bytes * 1e-6;
+  state.counters["GBps"] = bytes / t_replay * 1e-9;
+  HISPARSE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  HISPARSE_CUDA_CHECK(cudaGraphDestroy(graph));
+  HISPARSE_CUDA_CHECK(cudaEventDestroy(start));
+  HISPARSE_CUDA_CHECK(cudaEventDestroy(stop));
+  HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
+  cudaFree(chunk);
+  cudaFree(d_q);
+  cudaFree(d_slots);
+  cudaFree(kept);
+  cudaFree(num);
+  cudaFree(window);
+}
+
+}  // namespace
+
+BENCHMARK(BM_decode_selection)->ArgNames({"B", "T"})
+    ->ArgsProduct({{1, 8, 32}, {32768, 131072, 262144}})->UseManualTime()->Iterations(100)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK_MAIN();

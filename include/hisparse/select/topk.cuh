@@ -1,0 +1,442 @@
+#pragma once
+// Top-k selection: warp- and block-level primitives (CUB style: the caller
+// owns the TempStorage) and a device-wide batched top-k.
+//
+// Algorithm: radix select with 1-bit digits on the 64-bit keys of
+// topk_keys.hpp. Each key stays in a register; 32 rounds over the high word
+// (the score) find the k-th largest score, and only when that score is tied
+// past k do 32 more rounds over the low word (the index) among the ties pick
+// the lowest indices. A round is one comparison per key and one count across
+// the warp (`redux.sync`) or block: no shared-memory histograms, so no atomic
+// contention when scores cluster (they do: the top bits of normally
+// distributed floats take a handful of values). The k survivors are
+// compacted and sorted by a bitonic network (in registers for a warp, in
+// shared memory for a block). Rows longer than one block's registers hold are
+// cut into chunks whose top-k candidates are reduced again (temp storage).
+//
+// Contract (the same as DESIGN.md section 1 and reference::select_top_k):
+// values descending, ties to the lower index, NaN below -inf, -0 == +0; a row
+// with fewer than k valid entries ends in padding (index -1, value -inf).
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "hisparse/core/status.hpp"
+#include "hisparse/select/topk_keys.hpp"
+
+namespace hisparse::select {
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#error "hisparse top-k needs sm_80 or newer (it counts with redux.sync)"
+#endif
+
+inline constexpr unsigned kFullMask = 0xFFFFFFFFu;
+
+namespace detail {
+__device__ __forceinline__ std::uint32_t hi_word(topk_key k) { return static_cast<std::uint32_t>(k >> 32); }
+__device__ __forceinline__ std::uint32_t lo_word(topk_key k) { return static_cast<std::uint32_t>(k); }
+
+/// Bitonic sort of one key per lane, descending across the warp.
+__device__ __forceinline__ topk_key warp_sort_descending(topk_key key) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int size = 2; size <= 32; size <<= 1) {
+#pragma unroll
+    for (int stride = size / 2; stride > 0; stride >>= 1) {
+      const topk_key other = __shfl_xor_sync(kFullMask, key, stride);
+      const bool descending = (lane & size) == 0 || size == 32;
+      const bool keep_max = ((lane & stride) == 0) == descending;
+      key = keep_max ? (key > other ? key : other) : (key < other ? key : other);
+    }
+  }
+  return key;
+}
+}  // namespace detail
+
+/// Warp-wide top-k of E keys per lane, k <= 32.
+template <int E>
+class warp_topk {
+ public:
+  struct TempStorage {
+    topk_key keys[32];
+  };
+
+  __device__ explicit warp_topk(TempStorage& storage) : storage_(storage) {}
+
+  /// Returns, in lane i < k, the i-th largest key of the warp (descending);
+  /// kNoCandidate in lanes past k or past the number of real candidates.
+  __device__ topk_key select(const topk_key (&keys)[E], int k) {
+    const int lane = threadIdx.x & 31;
+    auto count = [&](auto pred) {
+      unsigned c = 0;
+#pragma unroll
+      for (int j = 0; j < E; ++j) c += pred(keys[j]) ? 1u : 0u;
+      return __reduce_add_sync(kFullMask, c);
+    };
+    const auto want = static_cast<unsigned>(k);
+    std::uint32_t hi = 0;
+    for (int bit = 31; bit >= 0; --bit) {
+      const std::uint32_t cand = hi | (1u << bit);
+      if (count([&](topk_key x) { return detail::hi_word(x) >= cand; }) >= want) hi = cand;
+    }
+    std::uint32_t lo = 0;
+    const unsigned at_least = count([&](topk_key x) { return detail::hi_word(x) >= hi; });
+    if (at_least > want) {  // the k-th score is tied past k: lowest indices win
+      const unsigned above = count([&](topk_key x) { return detail::hi_word(x) > hi; });
+      const unsigned need = want - above;
+      for (int bit = 31; bit >= 0; --bit) {
+        const std::uint32_t cand = lo | (1u << bit);
+        if (count([&](topk_key x) { return detail::hi_word(x) == hi && detail::lo_word(x) >= cand; }) >= need)
+          lo = cand;
+      }
+    }
+    const topk_key threshold = (static_cast<topk_key>(hi) << 32) | lo;
+    unsigned base = 0;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const bool take = keys[j] >= threshold && keys[j] != kNoCandidate;
+      const unsigned ballot = __ballot_sync(kFullMask, take);
+      const unsigned pos = base + __popc(ballot & ((1u << lane) - 1u));
+      if (take && pos < 32) storage_.keys[pos] = keys[j];
+      base += __popc(ballot);
+    }
+    __syncwarp();
+    topk_key mine = lane < static_cast<int>(min(base, want)) ? storage_.keys[lane] : kNoCandidate;
+    __syncwarp();
+    return detail::warp_sort_descending(mine);
+  }
+
+ private:
+  TempStorage& storage_;
+};
+
+/// Block-wide top-k of E keys per thread, k <= 2048. The caller provides
+/// `sorted`, a shared array of at least `sort_capacity(k)` keys, which holds
+/// the result in descending order (padding kNoCandidate after the
+/// candidates).
+template <int Threads, int E>
+class block_topk {
+  static_assert(Threads % 32 == 0 && Threads >= 64, "block_topk needs whole warps, at least two");
+  static constexpr int kWarps = Threads / 32;
+
+ public:
+  struct TempStorage {
+    unsigned counts[2][kWarps];
+    unsigned fill;
+  };
+
+  /// Keys of shared memory the sort needs for k: the next power of two.
+  HISPARSE_HOST_DEVICE static constexpr int sort_capacity(int k) {
+    int p = 1;
+    while (p < k) p <<= 1;
+    return p;
+  }
+
+  __device__ explicit block_topk(TempStorage& storage) : storage_(storage) {}
+
+  /// Returns the number of real candidates written (min(k, candidates)).
+  __device__ int select(const topk_key (&keys)[E], int k, topk_key* sorted) {
+    const auto want = static_cast<unsigned>(k);
+    std::uint32_t hi = 0;
+    for (int bit = 31; bit >= 0; --bit) {
+      const std::uint32_t cand = hi | (1u << bit);
+      if (count(keys, [&](topk_key x) { return detail::hi_word(x) >= cand; }) >= want) hi = cand;
+    }
+    std::uint32_t lo = 0;
+    const unsigned at_least = count(keys, [&](topk_key x) { return detail::hi_word(x) >= hi; });
+    if (at_least > want) {
+      const unsigned above = count(keys, [&](topk_key x) { return detail::hi_word(x) > hi; });
+      const unsigned need = want - above;
+      for (int bit = 31; bit >= 0; --bit) {
+        const std::uint32_t cand = lo | (1u << bit);
+        if (count(keys, [&](topk_key x) { return detail::hi_word(x) == hi && detail::lo_word(x) >= cand; }) >=
+            need)
+          lo = cand;
+      }
+    }
+    const topk_key threshold = (static_cast<topk_key>(hi) << 32) | lo;
+    if (threadIdx.x == 0) storage_.fill = 0;
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < E; ++j)
+      if (keys[j] >= threshold && keys[j] != kNoCandidate) {
+        const unsigned pos = atomicAdd(&storage_.fill, 1u);
+        if (pos < want) sorted[pos] = keys[j];
+      }
+    __syncthreads();
+    const int found = static_cast<int>(min(storage_.fill, want));
+    const int cap = sort_capacity(k);
+    for (int i = found + static_cast<int>(threadIdx.x); i < cap; i += Threads) sorted[i] = kNoCandidate;
+    for (int size = 2; size <= cap; size <<= 1)
+      for (int stride = size / 2; stride > 0; stride >>= 1) {
+        __syncthreads();
+        for (int i = threadIdx.x; i < cap; i += Threads) {
+          const int j = i ^ stride;
+          if (j > i) {
+            const topk_key a = sorted[i], b = sorted[j];
+            const bool descending = (i & size) == 0 || size == cap;
+            if ((a < b) == descending) {
+              sorted[i] = b;
+              sorted[j] = a;
+            }
+          }
+        }
+      }
+    __syncthreads();
+    return found;
+  }
+
+ private:
+  /// Block-wide count of keys satisfying pred: one redux per warp, one
+  /// barrier. The two count slots alternate, so a slot is rewritten only
+  /// after every thread has passed the barrier that follows its last read.
+  template <class Pred>
+  __device__ unsigned count(const topk_key (&keys)[E], Pred pred) {
+    unsigned c = 0;
+#pragma unroll
+    for (int j = 0; j < E; ++j) c += pred(keys[j]) ? 1u : 0u;
+    c = __reduce_add_sync(kFullMask, c);
+    unsigned* slot = storage_.counts[parity_];
+    if ((threadIdx.x & 31) == 0) slot[threadIdx.x / 32] = c;
+    __syncthreads();
+    unsigned total = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) total += slot[w];
+    parity_ ^= 1;
+    return total;
+  }
+  TempStorage& storage_;
+  int parity_ = 0;
+};
+
+// ---------------------------------------------------------------------------
+// Device-wide batched top-k.
+
+inline constexpr int kMaxBatchedTopK = 2048;
+
+namespace detail {
+
+inline constexpr int kTopkThreads = 256;
+inline constexpr int kMaxKeysPerThread = 16;
+inline constexpr int kChunkKeys = kTopkThreads * kMaxKeysPerThread;  ///< keys one block holds in registers
+
+__device__ __forceinline__ int row_length(const std::int32_t* lengths, int row, int n) {
+  return lengths == nullptr ? n : max(0, min(lengths[row], n));
+}
+
+__device__ __forceinline__ void write_result(topk_key key, const float* scores, std::int64_t row_stride, int row,
+                                             int slot, int k, float* out_values, std::int32_t* out_indices) {
+  const std::int32_t idx = key_index(key);
+  const std::int64_t out = std::int64_t{row} * k + slot;
+  out_indices[out] = idx;
+  out_values[out] = idx >= 0 ? scores[std::int64_t{row} * row_stride + idx] : -__int_as_float(0x7f800000);
+}
+
+/// One warp per row: rows of up to 32 * E scores, k <= 32.
+template <int E>
+__global__ void __launch_bounds__(kTopkThreads) warp_topk_kernel(const float* scores, std::int64_t row_stride,
+                                                                 const std::int32_t* lengths, int rows, int n,
+                                                                 int k, float* out_values,
+                                                                 std::int32_t* out_indices) {
+  __shared__ typename warp_topk<E>::TempStorage storage[kTopkThreads / 32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int row = blockIdx.x * (kTopkThreads / 32) + warp;
+  if (row >= rows) return;  // whole warps leave; the warp primitive has no block barrier
+  const int len = row_length(lengths, row, n);
+  const float* in = scores + std::int64_t{row} * row_stride;
+  topk_key keys[E];
+#pragma unroll
+  for (int j = 0; j < E; ++j) {
+    const int i = j * 32 + lane;
+    keys[j] = i < len ? make_key(__ldcs(in + i), i) : kNoCandidate;
+  }
+  const topk_key key = warp_topk<E>(storage[warp]).select(keys, k);
+  if (lane < k) write_result(key, scores, row_stride, row, lane, k, out_values, out_indices);
+}
+
+/// One block per (row, chunk of 256 * E inputs). Inputs are scores (first
+/// pass) or keys from an earlier pass. With one chunk per row it writes the
+/// final result; otherwise each chunk's k best keys go to `keys_out`.
+template <int E, bool FromScores>
+__global__ void __launch_bounds__(kTopkThreads) block_topk_kernel(
+    const float* scores, std::int64_t row_stride, const std::int32_t* lengths, int n, const topk_key* keys_in,
+    int keys_per_row, int chunks, int k, topk_key* keys_out, float* out_values, std::int32_t* out_indices) {
+  using block = block_topk<kTopkThreads, E>;
+  __shared__ typename block::TempStorage storage;
+  extern __shared__ topk_key sorted[];
+  const int row = blockIdx.x / chunks, chunk = blockIdx.x % chunks;
+  const int span = kTopkThreads * E;
+  topk_key keys[E];
+  if constexpr (FromScores) {
+    const int len = row_length(lengths, row, n);
+    const float* in = scores + std::int64_t{row} * row_stride;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const int i = chunk * span + j * kTopkThreads + static_cast<int>(threadIdx.x);
+      keys[j] = i < len ? make_key(__ldcs(in + i), i) : kNoCandidate;
+    }
+  } else {
+    const topk_key* in = keys_in + std::int64_t{row} * keys_per_row;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const int i = chunk * span + j * kTopkThreads + static_cast<int>(threadIdx.x);
+      keys[j] = i < keys_per_row ? in[i] : kNoCandidate;
+    }
+  }
+  block(storage).select(keys, k, sorted);
+  if (chunks == 1) {
+    for (int i = threadIdx.x; i < k; i += kTopkThreads)
+      write_result(sorted[i], scores, row_stride, row, i, k, out_values, out_indices);
+  } else {
+    topk_key* out = keys_out + (std::int64_t{row} * chunks + chunk) * k;
+    for (int i = threadIdx.x; i < k; i += kTopkThreads) out[i] = sorted[i];
+  }
+}
+
+inline int keys_per_thread(std::int64_t inputs, int threads) {
+  int e = 1;
+  while (std::int64_t{e} * threads < inputs) e <<= 1;
+  return e;
+}
+
+template <template <int> class Launch, class... Args>
+status dispatch_keys_per_thread(int e, Args&&... args) {
+  switch (e) {
+    case 1: return Launch<1>::run(args...);
+    case 2: return Launch<2>::run(args...);
+    case 4: return Launch<4>::run(args...);
+    case 8: return Launch<8>::run(args...);
+    case 16: return Launch<16>::run(args...);
+    default: return fail(status::internal_error, "batched_topk: keys per thread out of range");
+  }
+}
+
+template <int E>
+struct launch_warp {
+  static status run(const float* scores, std::int64_t stride, const std::int32_t* lengths, int rows, int n, int k,
+                    float* values, std::int32_t* indices, cudaStream_t stream) {
+    const int per_block = kTopkThreads / 32;
+    warp_topk_kernel<E><<<(rows + per_block - 1) / per_block, kTopkThreads, 0, stream>>>(scores, stride, lengths,
+                                                                                         rows, n, k, values, indices);
+    HISPARSE_CUDA_TRY(cudaGetLastError());
+    return status::success;
+  }
+};
+
+template <bool FromScores>
+struct launch_block {
+  template <int E>
+  struct with {
+    static status run(const float* scores, std::int64_t stride, const std::int32_t* lengths, int n,
+                      const topk_key* keys_in, int keys_per_row, int rows, int chunks, int k, topk_key* keys_out,
+                      float* values, std::int32_t* indices, cudaStream_t stream) {
+      const std::size_t smem = sizeof(topk_key) * block_topk<kTopkThreads, E>::sort_capacity(k);
+      block_topk_kernel<E, FromScores><<<static_cast<unsigned>(std::int64_t{rows} * chunks), kTopkThreads, smem,
+                                         stream>>>(scores, stride, lengths, n, keys_in, keys_per_row, chunks, k,
+                                                   keys_out, values, indices);
+      HISPARSE_CUDA_TRY(cudaGetLastError());
+      return status::success;
+    }
+  };
+};
+
+/// Candidates per row after the chunked first pass, and after each
+/// reduction pass; the last entry is what the final pass reads.
+struct topk_plan {
+  bool warp = false;
+  std::int64_t passes = 0;
+  std::int64_t temp_keys = 0;  ///< keys per ping-pong buffer
+};
+
+inline topk_plan plan_topk(int rows, int n, int k) {
+  topk_plan p;
+  if (n <= 32 * kMaxKeysPerThread && k <= 32) {
+    p.warp = true;
+    return p;
+  }
+  std::int64_t m = n;
+  while (m > kChunkKeys) {
+    const std::int64_t chunks = (m + kChunkKeys - 1) / kChunkKeys;
+    p.temp_keys = std::max(p.temp_keys, std::int64_t{rows} * chunks * k);
+    m = chunks * k;
+    ++p.passes;
+  }
+  return p;
+}
+
+}  // namespace detail
+
+/// Device-wide batched top-k: for each of `rows` rows of `n` fp32 scores
+/// (row r starts at scores + r * row_stride; optional `row_lengths` limits
+/// row r to its first row_lengths[r] entries), writes the k largest values
+/// and their int32 column indices to out_values / out_indices ([rows][k]),
+/// in descending order, ties to the lower index, NaN after -inf; rows with
+/// fewer than k valid entries end in (value -inf, index -1) padding.
+///
+/// CUB-style two-phase temporary storage: with temp == nullptr, only sets
+/// temp_bytes (at least 1) and returns. Stream-ordered, never synchronizes,
+/// allocates nothing: capturable in a CUDA graph. 1 <= k <= 2048, any n >= 1.
+[[nodiscard]] inline status batched_topk(void* temp, std::size_t& temp_bytes, const float* scores,
+                                         std::int64_t row_stride, const std::int32_t* row_lengths, int rows, int n,
+                                         int k, float* out_values, std::int32_t* out_indices,
+                                         cudaStream_t stream = nullptr) {
+  if (rows < 1 || n < 1 || n > (1 << 30))
+    return fail(status::invalid_argument, "batched_topk: need rows >= 1 and 1 <= n <= 2^30 (got rows " +
+                                              std::to_string(rows) + ", n " + std::to_string(n) + ")");
+  if (k < 1 || k > kMaxBatchedTopK)
+    return fail(status::invalid_argument, "batched_topk: k " + std::to_string(k) + " must be in [1, 2048]");
+  if (row_stride < n) return fail(status::invalid_argument, "batched_topk: row_stride must be >= n");
+  const detail::topk_plan plan = detail::plan_topk(rows, n, k);
+  // Room to align the key buffers ourselves, so any temp pointer works.
+  constexpr std::size_t kTempAlign = 256;
+  const std::size_t needed =
+      plan.temp_keys == 0 ? 1 : 2 * static_cast<std::size_t>(plan.temp_keys) * sizeof(topk_key) + kTempAlign;
+  if (temp == nullptr) {
+    temp_bytes = needed;
+    return status::success;
+  }
+  if (temp_bytes < needed)
+    return fail(status::invalid_argument, "batched_topk: temp storage of " + std::to_string(temp_bytes) +
+                                              " bytes is smaller than the " + std::to_string(needed) + " required");
+  if (scores == nullptr || out_values == nullptr || out_indices == nullptr)
+    return fail(status::invalid_argument, "batched_topk: scores and outputs must not be null");
+
+  if (!plan.warp && std::int64_t{rows} * ((n + detail::kChunkKeys - 1) / detail::kChunkKeys) > 0x7FFFFFFF)
+    return fail(status::invalid_argument, "batched_topk: rows * ceil(n / 4096) exceeds the grid limit (2^31 - 1)");
+  if (plan.warp)
+    return detail::dispatch_keys_per_thread<detail::launch_warp>(detail::keys_per_thread(n, 32), scores, row_stride,
+                                                                 row_lengths, rows, n, k, out_values, out_indices,
+                                                                 stream);
+  const auto aligned = (reinterpret_cast<std::uintptr_t>(temp) + kTempAlign - 1) / kTempAlign * kTempAlign;
+  auto* buffers = reinterpret_cast<topk_key*>(aligned);
+  topk_key* ping = buffers;
+  topk_key* pong = buffers + plan.temp_keys;
+  std::int64_t m = n;
+  bool from_scores = true;
+  const topk_key* keys_in = nullptr;
+  while (true) {
+    const std::int64_t chunks = (m + detail::kChunkKeys - 1) / detail::kChunkKeys;
+    const int e = chunks == 1 ? detail::keys_per_thread(m, detail::kTopkThreads) : detail::kMaxKeysPerThread;
+    topk_key* keys_out = chunks == 1 ? nullptr : ping;
+    status st;
+    if (from_scores)
+      st = detail::dispatch_keys_per_thread<detail::launch_block<true>::template with>(
+          e, scores, row_stride, row_lengths, n, keys_in, 0, rows, static_cast<int>(chunks), k, keys_out, out_values,
+          out_indices, stream);
+    else
+      st = detail::dispatch_keys_per_thread<detail::launch_block<false>::template with>(
+          e, scores, row_stride, row_lengths, n, keys_in, static_cast<int>(m), rows, static_cast<int>(chunks), k,
+          keys_out, out_values, out_indices, stream);
+    if (st != status::success || chunks == 1) return st;
+    keys_in = ping;
+    std::swap(ping, pong);
+    m = chunks * k;
+    from_scores = false;
+  }
+}
+
+}  // namespace hisparse::select

@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Turns the JSON that scripts/gpu-check.sh writes into the markdown tables
+of bench/results/: append throughput against the in-run copy, batched top-k
+against CUB and torch.topk, decode selection.
+
+    python3 scripts/bench_report.py RESULTS_DIR > RESULTS_DIR/README.md
+"""
+import json
+import os
+import sys
+
+
+def load(path):
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def rows(doc, prefix):
+    return [b for b in (doc or {}).get("benchmarks", []) if b["name"].startswith(prefix)]
+
+
+def main():
+    d = sys.argv[1]
+    kv = load(os.path.join(d, "bench_kv.json"))
+    topk = load(os.path.join(d, "bench_topk.json"))
+    sel = load(os.path.join(d, "bench_select.json"))
+    torch = load(os.path.join(d, "torch_topk.json"))
+    ctx = (kv or topk or sel or {}).get("context", {})
+    print(f"Measured {ctx.get('date', '?')} on {ctx.get('host_name', '?')}; see gpu.log for the GPU and commit.\n")
+    if kv:
+        print("## KV append (one layer, 8 KV heads x 128, bf16) vs in-run device-to-device copy\n")
+        print("| benchmark | median us | GB/s | copy GB/s | % of copy |")
+        print("|---|---:|---:|---:|---:|")
+        for b in rows(kv, "BM_append"):
+            print(f"| {b['name'].split('/iterations')[0]} | {b['median_us']:.2f} | {b['GBps']:.1f} | "
+                  f"{b['copy_GBps']:.1f} | {b['pct_of_copy']:.1f} |")
+        for b in rows(kv, "BM_page_pool"):
+            print(f"\n{b['name']}: {b['items_per_second'] / 1e6:.0f} M pages/s")
+        print()
+    if topk:
+        print("## Batched top-k (fp32 scores) vs CUB segmented sorts and torch.topk, same shapes\n")
+        shapes = {}
+        for b in topk["benchmarks"]:
+            name, _, rest = b["name"].partition("/")
+            key = rest.split("/iterations")[0].split("/manual_time")[0]
+            shapes.setdefault(key, {})[name] = b
+        tmap = {}
+        for t in (torch or {}).get("results", []):
+            tmap[f"rows:{t['rows']}/n:{t['n']}/k:{t['k']}"] = t["median_us"]
+        print("| shape | hisparse us | CUB seg. sort us | CUB seg. radix us | torch.topk us | read floor us |"
+              " x CUB sort | x torch |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for key, m in shapes.items():
+            h = m.get("BM_hisparse_topk")
+            if not h:
+                continue
+            s = m.get("BM_cub_segmented_sort", {}).get("median_us", float("nan"))
+            r = m.get("BM_cub_segmented_radix_sort", {}).get("median_us", float("nan"))
+            t = tmap.get(key, float("nan"))
+            print(f"| {key} | {h['median_us']:.1f} | {s:.1f} | {r:.1f} | {t:.1f} | {h['floor_us']:.1f} | "
+                  f"{s / h['median_us']:.1f} | {t / h['median_us']:.1f} |")
+        print()
+    if sel:
+        print("## Decode selection (coarse + fine, one launch), 32/8 heads, head_dim 128, defaults\n")
+        print("| benchmark | graph replay us | eager us | MB read | GB/s |")
+        print("|---|---:|---:|---:|---:|")
+        for b in rows(sel, "BM_decode_selection"):
+            print(f"| {b['name'].split('/iterations')[0]} | {b['replay_us']:.2f} | {b['eager_us']:.2f} | "
+                  f"{b['MB_read']:.2f} | {b['GBps']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

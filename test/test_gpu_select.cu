@@ -1,0 +1,338 @@
+// Decode selection on the GPU against the fp64 CPU reference: kept blocks
+// and slices equal the reference's (by score threshold where two scores sit
+// within fp32 rounding of each other), scores agree, every edge case of
+// DESIGN.md section 6, ragged batches, ties, and graph capture.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "gpu_test.hpp"
+#include "hisparse/kv/paged_kv_cache.cuh"
+#include "hisparse/mr/device_pool_resource.hpp"
+#include "hisparse/reference/sparse_attention.hpp"
+#include "hisparse/select/decode_selection.cuh"
+#include "test_support.hpp"
+
+using namespace hisparse;
+
+namespace {
+
+template <class T>
+struct dev {
+  T* ptr = nullptr;
+  explicit dev(std::size_t n) { HISPARSE_CUDA_CHECK(cudaMalloc(&ptr, std::max<std::size_t>(n, 1) * sizeof(T))); }
+  dev(const std::vector<T>& h) : dev(h.size()) {
+    HISPARSE_CUDA_CHECK(cudaMemcpy(ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  ~dev() { cudaFree(ptr); }
+  dev(const dev&) = delete;
+  std::vector<T> get(std::size_t n) const {
+    std::vector<T> h(n);
+    HISPARSE_CUDA_CHECK(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+/// A batch of sequences in a paged cache plus their host copies.
+struct problem {
+  attention_shape shape;
+  SparseAttentionConfig cfg;
+  std::vector<std::int64_t> lengths;
+  std::vector<std::vector<__nv_bfloat16>> keys, values;  // [seq] -> [t][h][d]
+  std::vector<__nv_bfloat16> queries;                    // [b][hq][d]
+};
+
+problem make_problem(const attention_shape& shape, const SparseAttentionConfig& cfg,
+                     std::vector<std::int64_t> lengths, std::uint64_t seed, bool constant_keys = false) {
+  problem p{shape, cfg, std::move(lengths), {}, {}, {}};
+  workload::splitmix64 rng(seed);
+  for (const auto len : p.lengths) {
+    std::vector<__nv_bfloat16> k(static_cast<std::size_t>(len * shape.num_kv_heads * shape.head_dim));
+    std::vector<__nv_bfloat16> v(k.size());
+    for (auto& x : k) x = from_float<__nv_bfloat16>(constant_keys ? 0.5f : static_cast<float>(rng.normal()));
+    for (auto& x : v) x = from_float<__nv_bfloat16>(static_cast<float>(rng.normal()));
+    p.keys.push_back(std::move(k));
+    p.values.push_back(std::move(v));
+  }
+  p.queries.resize(p.lengths.size() * shape.num_q_heads * shape.head_dim);
+  for (auto& x : p.queries) x = from_float<__nv_bfloat16>(static_cast<float>(rng.normal()));
+  return p;
+}
+
+struct gpu_result {
+  std::vector<std::int32_t> blocks, slices, num_slices, window;
+  std::vector<float> block_scores, slice_scores;
+};
+
+template <class Cache>
+gpu_result run_selection(const problem& p, Cache& cache, const std::vector<int>& slots, cudaStream_t stream) {
+  const int B = static_cast<int>(slots.size()), H = p.shape.num_kv_heads;
+  const int kc = p.cfg.top_k_coarse, kf = p.cfg.top_k_fine;
+  dev<std::int32_t> d_slots(std::vector<std::int32_t>(slots.begin(), slots.end()));
+  dev<__nv_bfloat16> d_q(p.queries);
+  dev<std::int32_t> blocks(B * H * kc), slices(B * H * kf), num(B * H), window(B);
+  dev<float> bscores(B * H * kc), sscores(B * H * kf);
+  HISPARSE_CUDA_CHECK(cudaMemset(slices.ptr, 0x7f, sizeof(std::int32_t) * B * H * kf));  // poison
+  HISPARSE_CUDA_CHECK(cudaMemset(num.ptr, 0x7f, sizeof(std::int32_t) * B * H));
+  select::decode_selection_arguments<__nv_bfloat16> a;
+  a.queries = d_q.ptr;
+  a.slots = d_slots.ptr;
+  a.batch = B;
+  a.num_q_heads = p.shape.num_q_heads;
+  a.set_cache(cache.ref());
+  select::decode_selection_output out{slices.ptr, num.ptr, window.ptr, blocks.ptr, bscores.ptr, sscores.ptr};
+  REQUIRE(select::select_decode_async(p.cfg, a, out, stream) == status::success);
+  HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return {blocks.get(B * H * kc), slices.get(B * H * kf), num.get(B * H), window.get(B),
+          bscores.get(B * H * kc), sscores.get(B * H * kf)};
+}
+
+/// Appends every sequence of the problem to a fresh cache (one prefill call).
+template <class Cache>
+std::vector<int> fill(const problem& p, Cache& cache) {
+  std::vector<int> slots;
+  std::vector<kv::append_segment> segs;
+  std::vector<__nv_bfloat16> k, v;
+  for (std::size_t s = 0; s < p.lengths.size(); ++s) {
+    int slot = -1;
+    REQUIRE(cache.add_sequence(cache.options().max_context, slot) == status::success);
+    slots.push_back(slot);
+    segs.push_back({slot, static_cast<std::int32_t>(k.size() / (p.shape.num_kv_heads * p.shape.head_dim)),
+                    static_cast<std::int32_t>(p.lengths[s])});
+    k.insert(k.end(), p.keys[s].begin(), p.keys[s].end());
+    v.insert(v.end(), p.values[s].begin(), p.values[s].end());
+  }
+  dev<__nv_bfloat16> dk(k), dv(v);
+  REQUIRE(cache.append_async(0, segs, dk.ptr, dv.ptr, nullptr) == status::success);
+  HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
+  return slots;
+}
+
+/// Same kept set, or a difference made only of items whose reference scores
+/// are within fp32 rounding of the selection boundary.
+void check_set(const std::vector<std::int32_t>& got, const reference::scored_selection& ref,
+               const std::vector<double>& ref_score_of, double scale) {
+  std::vector<std::int32_t> g;
+  for (const auto x : got)
+    if (x >= 0) g.push_back(x);
+  REQUIRE(g.size() == ref.kept.size());
+  if (g == ref.kept) return;
+  const double boundary = *std::min_element(ref.kept_scores.begin(), ref.kept_scores.end());
+  const double tol = 1e-4 * scale;
+  for (const auto x : g)
+    if (!std::binary_search(ref.kept.begin(), ref.kept.end(), x)) {
+      INFO("selected " << x << " with reference score " << ref_score_of[x] << ", boundary " << boundary);
+      REQUIRE(ref_score_of[static_cast<std::size_t>(x)] >= boundary - tol);
+    }
+}
+
+void compare(const problem& p, const gpu_result& g, int b, bool exact) {
+  const int H = p.shape.num_kv_heads, kc = p.cfg.top_k_coarse, kf = p.cfg.top_k_fine;
+  reference::sequence<__nv_bfloat16> seq;
+  const std::int64_t len = p.lengths[static_cast<std::size_t>(b)];
+  seq.keys = tensor_view<const __nv_bfloat16, 3>::contiguous(p.keys[b].data(), len, H, p.shape.head_dim);
+  seq.values = tensor_view<const __nv_bfloat16, 3>::contiguous(p.values[b].data(), len, H, p.shape.head_dim);
+  seq.queries = tensor_view<const __nv_bfloat16, 3>::contiguous(
+      p.queries.data() + static_cast<std::size_t>(b) * p.shape.num_q_heads * p.shape.head_dim, 1,
+      p.shape.num_q_heads, p.shape.head_dim);
+  seq.q_begin = len - 1;
+  const auto r = reference::decode(p.cfg, p.shape, seq);
+  const auto& tile = r.tiles.at(0);
+  REQUIRE(g.window[static_cast<std::size_t>(b)] == tile.window_begin);
+  for (int h = 0; h < H; ++h) {
+    INFO("sequence " << b << " (length " << len << "), KV head " << h);
+    const auto at = static_cast<std::size_t>(b * H + h);
+    std::vector<std::int32_t> gb(g.blocks.begin() + at * kc, g.blocks.begin() + (at + 1) * kc);
+    std::vector<std::int32_t> gs(g.slices.begin() + at * kf, g.slices.begin() + (at + 1) * kf);
+    const auto& rb = tile.blocks[h];
+    const auto& rs = tile.slices[h];
+    double scale = 1e-30;
+    for (const double s : rb.kept_scores) scale = std::max(scale, std::abs(s));
+    for (const double s : rs.kept_scores) scale = std::max(scale, std::abs(s));
+    REQUIRE(g.num_slices[at] == static_cast<std::int32_t>(rs.kept.size()));
+    for (std::size_t i = rs.kept.size(); i < static_cast<std::size_t>(kf); ++i) REQUIRE(gs[i] == -1);
+    // Kept scores match the reference's within fp32 accumulation.
+    for (std::size_t i = 0; i < rb.kept.size() && gb[i] == rb.kept[i]; ++i)
+      REQUIRE(g.block_scores[at * kc + i] == Approx(rb.kept_scores[i]).margin(1e-5 * scale));
+    std::vector<std::int32_t> gbk(gb.begin(), std::find(gb.begin(), gb.end(), -1));
+    if (exact || gbk == rb.kept) {
+      REQUIRE(gbk == rb.kept);
+      std::vector<std::int32_t> gsk(gs.begin(), gs.begin() + g.num_slices[at]);
+      if (exact) REQUIRE(gsk == rs.kept);
+      REQUIRE(std::is_sorted(gsk.begin(), gsk.end()));
+      for (std::size_t i = 0; i < rs.kept.size() && i < gsk.size() && gsk[i] == rs.kept[i]; ++i)
+        REQUIRE(g.slice_scores[at * kf + i] == Approx(rs.kept_scores[i]).margin(1e-5 * scale));
+      std::vector<double> slice_ref(static_cast<std::size_t>(len / p.cfg.fine_slice + 1), -1e300);
+      // Scores of every fine candidate, for the threshold check.
+      const auto means = reference::slice_means(seq.keys, p.cfg, tile.window_begin);
+      const int G = p.shape.group_size(), D = p.shape.head_dim;
+      for (const auto blk : rb.kept)
+        for (std::int64_t sl = std::int64_t{blk} * p.cfg.slices_per_block();
+             sl < (std::int64_t{blk} + 1) * p.cfg.slices_per_block() && (sl + 1) * p.cfg.fine_slice <= tile.window_begin;
+             ++sl) {
+          double sc = 0;
+          for (int gq = 0; gq < G; ++gq)
+            for (int d = 0; d < D; ++d)
+              sc += to_double(seq.queries(0, h * G + gq, d)) * means[static_cast<std::size_t>((sl * H + h) * D + d)];
+          slice_ref[static_cast<std::size_t>(sl)] = sc;
+        }
+      check_set(gsk, rs, slice_ref, scale);
+    }
+  }
+}
+
+template <class Cache>
+void check_problem_on_gpu(const problem& p, Cache& cache, bool exact = false) {
+  const auto slots = fill(p, cache);
+  const auto g = run_selection(p, cache, slots, nullptr);
+  for (int b = 0; b < static_cast<int>(p.lengths.size()); ++b) compare(p, g, b, exact);
+}
+
+kv::paged_kv_cache_options cache_options(const problem& p, std::int64_t max_context) {
+  kv::paged_kv_cache_options o;
+  o.num_kv_heads = p.shape.num_kv_heads;
+  o.head_dim = p.shape.head_dim;
+  o.fine_slice = p.cfg.fine_slice;
+  o.coarse_block = p.cfg.coarse_block;
+  o.max_sequences = static_cast<int>(p.lengths.size());
+  o.max_context = max_context;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("decode selection matches the reference across lengths and edge cases", "[gpu][select]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  mr::device_pool_resource device;
+  // T < W, one token, non-multiples of F and C, fewer blocks than k, long.
+  const std::vector<std::int64_t> lengths{1, 300, 575, 576, 1600, 5000, 33 * 1024 + 17, 100003};
+  const problem p = make_problem({32, 8, 128}, SparseAttentionConfig{}, lengths, seed);
+  kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, cache_options(p, 100003));
+  check_problem_on_gpu(p, cache);
+}
+
+TEST_CASE("decode selection with GQA 1, 4, 8 and head_dim 64, 128, 256", "[gpu][select]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  mr::device_pool_resource device;
+  const SparseAttentionConfig small{64, 128, 16, 3, 4, 1};
+  for (const int group : {1, 4, 8})
+    for (const int dim : {64, 128, 256}) {
+      INFO("group " << group << ", head_dim " << dim);
+      const problem p = make_problem({2 * group, 2, dim}, small, {1, 70, 129, 700, 2047, 5001}, seed + group * dim);
+      kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, cache_options(p, 5001));
+      check_problem_on_gpu(p, cache);
+    }
+}
+
+TEST_CASE("decode selection breaks ties toward lower indices", "[gpu][select]") {
+  HISPARSE_REQUIRE_GPU();
+  mr::device_pool_resource device;
+  const SparseAttentionConfig c{512, 1024, 64, 3, 5, 1};
+  const problem p = make_problem({4, 2, 64}, c, {10 * 1024 + 17, 40000}, 9, /*constant_keys=*/true);
+  kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, cache_options(p, 40000));
+  check_problem_on_gpu(p, cache, /*exact=*/true);
+}
+
+TEST_CASE("wide top-k uses the block-wide path", "[gpu][select]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  mr::device_pool_resource device;
+  const SparseAttentionConfig wide{512, 1024, 64, 64, 48, 1};  // k > 32: block path both times
+  const problem p = make_problem({8, 2, 128}, wide, {70000, 200000}, seed);
+  kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, cache_options(p, 200000));
+  check_problem_on_gpu(p, cache);
+}
+
+TEST_CASE("decode selection replays from a CUDA graph with new inputs", "[gpu][select]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  mr::device_pool_resource device;
+  problem p = make_problem({32, 8, 128}, SparseAttentionConfig{}, {40000, 70001}, seed);
+  kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, cache_options(p, 80000));
+  const auto slots = fill(p, cache);
+  const int B = 2, H = 8, kf = 16;
+  dev<std::int32_t> d_slots(std::vector<std::int32_t>(slots.begin(), slots.end()));
+  dev<__nv_bfloat16> d_q(p.queries);
+  dev<std::int32_t> slices(B * H * kf), num(B * H), window(B);
+  select::decode_selection_arguments<__nv_bfloat16> a;
+  a.queries = d_q.ptr;
+  a.slots = d_slots.ptr;
+  a.batch = B;
+  a.num_q_heads = 32;
+  a.set_cache(cache.ref());
+  select::decode_selection_output out{slices.ptr, num.ptr, window.ptr};
+  cudaStream_t stream = nullptr;
+  HISPARSE_CUDA_CHECK(cudaStreamCreate(&stream));
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  HISPARSE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  REQUIRE(select::select_decode_async(p.cfg, a, out, stream) == status::success);
+  HISPARSE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  HISPARSE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  // New inputs: fresh queries and 3000 more tokens for each sequence.
+  workload::splitmix64 rng(seed + 1);
+  for (auto& x : p.queries) x = from_float<__nv_bfloat16>(static_cast<float>(rng.normal()));
+  HISPARSE_CUDA_CHECK(cudaMemcpy(d_q.ptr, p.queries.data(), p.queries.size() * 2, cudaMemcpyHostToDevice));
+  std::vector<__nv_bfloat16> more(2 * 3000 * H * 128);
+  for (auto& x : more) x = from_float<__nv_bfloat16>(static_cast<float>(rng.normal()));
+  dev<__nv_bfloat16> dm(more);
+  REQUIRE(cache.append_async(0, std::vector<kv::append_segment>{{slots[0], 0, 3000}, {slots[1], 3000, 3000}}, dm.ptr,
+                             dm.ptr, nullptr) == status::success);
+  HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
+  for (int s = 0; s < 2; ++s) {
+    p.keys[s].insert(p.keys[s].end(), more.begin() + s * 3000 * H * 128, more.begin() + (s + 1) * 3000 * H * 128);
+    p.values[s].insert(p.values[s].end(), more.begin() + s * 3000 * H * 128, more.begin() + (s + 1) * 3000 * H * 128);
+    p.lengths[s] += 3000;
+  }
+  HISPARSE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const auto replayed_slices = slices.get(B * H * kf);
+  const auto replayed_window = window.get(B);
+  const auto eager = run_selection(p, cache, slots, stream);
+  CHECK(replayed_slices == eager.slices);
+  CHECK(replayed_window == eager.window);
+  for (int b = 0; b < B; ++b) compare(p, eager, b, false);
+  HISPARSE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  HISPARSE_CUDA_CHECK(cudaGraphDestroy(graph));
+  HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST_CASE("decode selection rejects bad input before launching", "[gpu][select][errors]") {
+  HISPARSE_REQUIRE_GPU();
+  mr::device_pool_resource device;
+  const problem p = make_problem({32, 8, 128}, SparseAttentionConfig{}, {100}, 1);
+  kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, cache_options(p, 1000));
+  const auto slots = fill(p, cache);
+  dev<std::int32_t> d_slots(std::vector<std::int32_t>(slots.begin(), slots.end()));
+  dev<__nv_bfloat16> d_q(p.queries);
+  dev<std::int32_t> slices(8 * 16), num(8), window(1);
+  select::decode_selection_arguments<__nv_bfloat16> a;
+  a.queries = d_q.ptr;
+  a.slots = d_slots.ptr;
+  a.batch = 1;
+  a.num_q_heads = 32;
+  a.set_cache(cache.ref());
+  const select::decode_selection_output out{slices.ptr, num.ptr, window.ptr};
+  SparseAttentionConfig other;
+  other.fine_slice = 32;
+  CHECK(select::select_decode_async(other, a, out) == status::invalid_argument);
+  CHECK_THAT(last_error(), Catch::Contains("slice/block sizes"));
+  auto bad = a;
+  bad.num_q_heads = 30;
+  CHECK(select::select_decode_async(SparseAttentionConfig{}, bad, out) == status::invalid_argument);
+  bad = a;
+  bad.batch = 0;
+  CHECK(select::select_decode_async(SparseAttentionConfig{}, bad, out) == status::invalid_argument);
+  CHECK(select::select_decode_async(SparseAttentionConfig{}, a, select::decode_selection_output{}) ==
+        status::invalid_argument);
+  CHECK(select::decode_selection<default_selection_policy, __nv_bfloat16>::run(a, out) == status::success);
+  HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
+}
