@@ -18,6 +18,23 @@ scratch=$(mktemp -d)
 ctest --preset h200 -j 4 2>&1 | tee "$scratch/ctest-gpu.log"
 summary+=("ctest -L gpu: $(grep -E 'tests passed|tests failed' "$scratch/ctest-gpu.log" | tail -1)")
 
+for exe in build/h200/bench/bench_*; do
+  [ -x "$exe" ] || continue
+  name=$(basename "$exe")
+  "$exe" --benchmark_out="$out/$name.json" --benchmark_out_format=json \
+    --benchmark_min_time=0.2 >"$scratch/$name.txt" 2>&1 || summary+=("$name: FAILED")
+  summary+=("$name: $(grep -c '^BM_' "$scratch/$name.txt") results")
+done
+
+# torch.topk on the same shapes as bench_topk, for the side-by-side table.
+if python3 scripts/torch_topk.py "$out/torch_topk.json" >"$scratch/torch_topk.txt" 2>&1; then
+  summary+=("torch_topk: done")
+  cat "$scratch/torch_topk.txt"
+else
+  summary+=("torch_topk: FAILED")
+fi
+
+# Sanitizers last: the slowest part, and the results above are already saved.
 # compute-sanitizer over every test binary that has GPU tests.
 for exe in build/h200/test/test_gpu_*; do
   [ -x "$exe" ] || continue
@@ -37,22 +54,6 @@ for exe in build/h200/test/test_gpu_*; do
     rm -f "$log"
   done
 done
-
-for exe in build/h200/bench/bench_*; do
-  [ -x "$exe" ] || continue
-  name=$(basename "$exe")
-  "$exe" --benchmark_out="$out/$name.json" --benchmark_out_format=json \
-    --benchmark_min_time=0.2 >"$scratch/$name.txt" 2>&1 || summary+=("$name: FAILED")
-  summary+=("$name: $(grep -c '^BM_' "$scratch/$name.txt") results")
-done
-
-# torch.topk on the same shapes as bench_topk, for the side-by-side table.
-if python3 scripts/torch_topk.py "$out/torch_topk.json" >"$scratch/torch_topk.txt" 2>&1; then
-  summary+=("torch_topk: done")
-  cat "$scratch/torch_topk.txt"
-else
-  summary+=("torch_topk: FAILED")
-fi
 
 echo
 echo "== benchmark rows =="
