@@ -29,11 +29,13 @@ for exe in build/h200/bench/bench_*; do
 done
 
 # torch.topk on the same shapes as bench_topk, for the side-by-side table.
-if [[ bench_topk =~ ${HISPARSE_BENCH:-.} ]] && python3 scripts/torch_topk.py "$out/torch_topk.json" >"$scratch/torch_topk.txt" 2>&1; then
-  summary+=("torch_topk: done")
-  cat "$scratch/torch_topk.txt"
-else
-  summary+=("torch_topk: FAILED")
+if [[ bench_topk =~ ${HISPARSE_BENCH:-.} ]]; then
+  if python3 scripts/torch_topk.py "$out/torch_topk.json" >"$scratch/torch_topk.txt" 2>&1; then
+    summary+=("torch_topk: done")
+    cat "$scratch/torch_topk.txt"
+  else
+    summary+=("torch_topk: FAILED")
+  fi
 fi
 
 # Sanitizers last: the slowest part, and the results above are already saved.
