@@ -112,10 +112,7 @@ __device__ __forceinline__ void load_lane(const float* row, float (&v)[kPer]) {
 template <int D, class Load, class ScaleOf>
 __device__ void score_rows(int count, const float* qsum, Load load, ScaleOf scale_of, float* scores) {
   constexpr int kPer = D / 32;  // floats per lane: 2, 4 or 8
-  // Rows whose loads one lane keeps in flight: a fine filter of 512 slices
-  // is then two round trips to memory per warp instead of eight (measured:
-  // with 4, the B = 1 step spent most of its ~33 us waiting on loads).
-  constexpr int kRowsInFlight = 16;
+  constexpr int kRowsInFlight = 4;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   float q[kPer];
 #pragma unroll
@@ -150,11 +147,6 @@ template <class BlockTopk, class WarpTopk>
 __device__ void mark_top_k(const float* scores, int count, int k, unsigned char* keep,
                            typename BlockTopk::TempStorage& block_storage, typename WarpTopk::TempStorage& warp_storage,
                            topk_key* sorted) {
-  if (count <= k) {  // fewer candidates than k: all are kept, nothing to rank
-    for (int i = threadIdx.x; i < count; i += kSelectThreads) keep[i] = 1;
-    __syncthreads();
-    return;
-  }
   for (int i = threadIdx.x; i < count; i += kSelectThreads) keep[i] = 0;
   __syncthreads();
   if (count <= 32 * 16 && k <= 32) {
