@@ -121,6 +121,62 @@ void BM_append_prefill(benchmark::State& state) {
   run_append(state, 1, static_cast<std::int32_t>(state.range(0)), state.range(1) != 0);
 }
 
+/// The cost of keeping summaries, measured A/B in one run: two caches, one
+/// with summaries and one without, appended alternately (order flipped every
+/// iteration) from the same inputs, so clock and thermal drift cancel.
+void BM_summary_overhead(benchmark::State& state) {
+  const int batch = static_cast<int>(state.range(0));
+  const auto tokens = static_cast<std::int32_t>(state.range(1));
+  const std::int64_t per_seq = std::max<std::int64_t>(std::int64_t{tokens} * 4, 8192);
+  mr::device_pool_resource device;
+  kv::paged_kv_cache_options o;
+  o.num_kv_heads = kHeads;
+  o.head_dim = kDim;
+  o.max_sequences = batch;
+  o.max_context = per_seq;
+  kv::paged_kv_cache<bf16, mr::device_pool_resource> with(device, o);
+  o.maintain_summaries = false;
+  kv::paged_kv_cache<bf16, mr::device_pool_resource> without(device, o);
+  const std::size_t elems = static_cast<std::size_t>(batch) * tokens * kHeads * kDim;
+  const std::size_t copies = std::max<std::size_t>(1, (std::size_t{256} << 20) / (2 * elems * sizeof(bf16)));
+  gpu_buffers buf(2 * elems * copies);
+  std::vector<int> slots(static_cast<std::size_t>(batch));
+  for (auto& s : slots) {
+    throw_if_error(with.add_sequence(per_seq, s));
+    int other = 0;
+    throw_if_error(without.add_sequence(per_seq, other));
+  }
+  std::vector<kv::append_segment> segs;
+  for (int i = 0; i < batch; ++i) segs.push_back({slots[i], i * tokens, tokens});
+  event_timer timer;
+  std::vector<double> t_with, t_without;
+  std::size_t it = 0;
+  auto append = [&](auto& cache, const bf16* k) {
+    if (cache.length(slots[0], 0) + tokens > per_seq)
+      for (auto& s : slots) {
+        throw_if_error(cache.free_sequence(s));
+        throw_if_error(cache.add_sequence(per_seq, s));
+      }
+    return timer.seconds([&] { throw_if_error(cache.append_async(0, segs, k, k + elems, nullptr)); });
+  };
+  for (auto _ : state) {
+    const bf16* k = buf.src + (it % copies) * 2 * elems;
+    if (it % 2 == 0) {
+      t_with.push_back(append(with, k));
+      t_without.push_back(append(without, k));
+    } else {
+      t_without.push_back(append(without, k));
+      t_with.push_back(append(with, k));
+    }
+    state.SetIterationTime(t_with.back());
+    ++it;
+  }
+  const double a = median(t_with), b = median(t_without);
+  state.counters["with_us"] = a * 1e6;
+  state.counters["without_us"] = b * 1e6;
+  state.counters["overhead_pct"] = 100.0 * (a / b - 1.0);
+}
+
 /// Page pool allocate/free throughput: pages per second through the free
 /// list, for a steady state of 8 sequences growing and shrinking.
 void BM_page_pool_alloc_free(benchmark::State& state) {
@@ -146,5 +202,8 @@ BENCHMARK(BM_append_decode)->ArgNames({"B", "summaries"})
 BENCHMARK(BM_append_prefill)->ArgNames({"T", "summaries"})
     ->ArgsProduct({{1024, 4096, 16384, 65536}, {0, 1}})->UseManualTime()->Iterations(200)
     ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_summary_overhead)->ArgNames({"B", "T"})
+    ->Args({1, 1})->Args({8, 1})->Args({32, 1})->Args({1, 4096})->Args({1, 16384})->Args({1, 65536})
+    ->UseManualTime()->Iterations(400)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_page_pool_alloc_free)->ArgName("pages")->Arg(1)->Arg(16)->Arg(256);
 BENCHMARK_MAIN();
