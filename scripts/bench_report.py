@@ -28,7 +28,7 @@ def main():
     sel = load(os.path.join(d, "bench_select.json"))
     torch = load(os.path.join(d, "torch_topk.json"))
     ctx = (kv or topk or sel or {}).get("context", {})
-    print(f"Measured {ctx.get("date", "?")} (benchmark clock).\n")
+    print(f"Measured {ctx.get('date', '?')} (benchmark clock).\n")
     if kv:
         print("## KV append (one layer, 8 KV heads x 128, bf16) vs in-run device-to-device copy\n")
         print("| benchmark | median us | GB/s | copy GB/s | % of copy |")
