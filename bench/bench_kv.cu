@@ -10,8 +10,12 @@
 #include "hisparse/mr/device_pool_resource.hpp"
 #include "hisparse/mr/new_delete_resource.hpp"
 #include "hisparse/workload/synthetic.hpp"
+#include "bench_support.hpp"
 
 namespace {
+
+using hisparse::bench::event_timer;
+using hisparse::bench::median;
 
 using namespace hisparse;
 using bf16 = __nv_bfloat16;
@@ -35,32 +39,6 @@ struct gpu_buffers {
   }
 };
 
-struct event_timer {
-  cudaEvent_t a{}, b{};
-  event_timer() {
-    HISPARSE_CUDA_CHECK(cudaEventCreate(&a));
-    HISPARSE_CUDA_CHECK(cudaEventCreate(&b));
-  }
-  ~event_timer() {
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
-  }
-  template <class F>
-  double seconds(F&& f) {
-    HISPARSE_CUDA_CHECK(cudaEventRecord(a));
-    f();
-    HISPARSE_CUDA_CHECK(cudaEventRecord(b));
-    HISPARSE_CUDA_CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    HISPARSE_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    return ms * 1e-3;
-  }
-};
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 /// Appends `tokens` tokens to each of `batch` sequences per iteration (one
 /// layer), cycling the sequences when they fill up, and times the same bytes

@@ -18,8 +18,12 @@
 
 #include "hisparse/select/topk.cuh"
 #include "hisparse/workload/synthetic.hpp"
+#include "bench_support.hpp"
 
 namespace {
+
+using hisparse::bench::event_timer;
+using hisparse::bench::median;
 
 using namespace hisparse;
 constexpr double kHbmBytesPerSecond = 4.8e12;
@@ -83,32 +87,6 @@ const shape_inputs& inputs_for(int rows, int n) {
   return *slot;
 }
 
-struct event_timer {
-  cudaEvent_t a{}, b{};
-  event_timer() {
-    HISPARSE_CUDA_CHECK(cudaEventCreate(&a));
-    HISPARSE_CUDA_CHECK(cudaEventCreate(&b));
-  }
-  ~event_timer() {
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
-  }
-  template <class F>
-  double seconds(F&& f) {
-    HISPARSE_CUDA_CHECK(cudaEventRecord(a));
-    f();
-    HISPARSE_CUDA_CHECK(cudaEventRecord(b));
-    HISPARSE_CUDA_CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    HISPARSE_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    return ms * 1e-3;
-  }
-};
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 /// Times `op(iteration)` once per benchmark iteration (after one untimed
 /// warm-up call) and reports the counters every top-k benchmark shares.

@@ -20,19 +20,8 @@ using namespace hisparse;
 
 namespace {
 
-/// A device buffer for test inputs (tests may cudaMalloc; the library may not).
-template <class T>
-struct device_buffer {
-  T* ptr = nullptr;
-  std::size_t n = 0;
-  explicit device_buffer(const std::vector<T>& host) : n(host.size()) {
-    HISPARSE_CUDA_CHECK(cudaMalloc(&ptr, std::max<std::size_t>(n, 1) * sizeof(T)));
-    HISPARSE_CUDA_CHECK(cudaMemcpy(ptr, host.data(), n * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  ~device_buffer() { cudaFree(ptr); }
-  device_buffer(const device_buffer&) = delete;
-  device_buffer& operator=(const device_buffer&) = delete;
-};
+using test::device_buffer;
+
 
 /// Host mirror of what each (sequence, layer) should hold.
 template <class T>

@@ -20,20 +20,7 @@ using namespace hisparse;
 namespace {
 
 template <class T>
-struct dev {
-  T* ptr = nullptr;
-  explicit dev(std::size_t n) { HISPARSE_CUDA_CHECK(cudaMalloc(&ptr, std::max<std::size_t>(n, 1) * sizeof(T))); }
-  dev(const std::vector<T>& h) : dev(h.size()) {
-    HISPARSE_CUDA_CHECK(cudaMemcpy(ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  ~dev() { cudaFree(ptr); }
-  dev(const dev&) = delete;
-  std::vector<T> get(std::size_t n) const {
-    std::vector<T> h(n);
-    HISPARSE_CUDA_CHECK(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
+using dev = test::device_buffer<T>;
 
 /// A batch of sequences in a paged cache plus their host copies.
 struct problem {
@@ -85,8 +72,8 @@ gpu_result run_selection(const problem& p, Cache& cache, const std::vector<int>&
   select::decode_selection_output out{slices.ptr, num.ptr, window.ptr, blocks.ptr, bscores.ptr, sscores.ptr};
   REQUIRE(select::select_decode_async(p.cfg, a, out, stream) == status::success);
   HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  return {blocks.get(B * H * kc), slices.get(B * H * kf), num.get(B * H), window.get(B),
-          bscores.get(B * H * kc), sscores.get(B * H * kf)};
+  return {blocks.download(), slices.download(), num.download(), window.download(),
+          bscores.download(), sscores.download()};
 }
 
 /// Appends every sequence of the problem to a fresh cache (one prefill call).
@@ -294,8 +281,8 @@ TEST_CASE("decode selection replays from a CUDA graph with new inputs", "[gpu][s
   }
   HISPARSE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
   HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  const auto replayed_slices = slices.get(B * H * kf);
-  const auto replayed_window = window.get(B);
+  const auto replayed_slices = slices.download();
+  const auto replayed_window = window.download();
   const auto eager = run_selection(p, cache, slots, stream);
   CHECK(replayed_slices == eager.slices);
   CHECK(replayed_window == eager.window);

@@ -22,6 +22,8 @@ using namespace hisparse;
 
 namespace {
 
+using test::device_buffer;
+
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 float from_bits(std::uint32_t u) {
@@ -32,33 +34,6 @@ float from_bits(std::uint32_t u) {
 
 bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 
-/// A device buffer for test inputs and outputs (tests may cudaMalloc; the
-/// library may not).
-template <class T>
-struct device_buffer {
-  T* ptr = nullptr;
-  std::size_t n = 0;
-  explicit device_buffer(std::size_t count) : n(count) {
-    HISPARSE_CUDA_CHECK(cudaMalloc(&ptr, std::max<std::size_t>(n, 1) * sizeof(T)));
-  }
-  explicit device_buffer(const std::vector<T>& host) : device_buffer(host.size()) { upload(host, nullptr); }
-  ~device_buffer() { cudaFree(ptr); }
-  device_buffer(const device_buffer&) = delete;
-  device_buffer& operator=(const device_buffer&) = delete;
-
-  void upload(const std::vector<T>& host, cudaStream_t stream) {
-    HISPARSE_CUDA_CHECK(cudaMemcpyAsync(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, stream));
-    HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  }
-  void poison(cudaStream_t stream) {  // 0xFF bytes: NaN values, index -1
-    HISPARSE_CUDA_CHECK(cudaMemsetAsync(ptr, 0xFF, n * sizeof(T), stream));
-  }
-  [[nodiscard]] std::vector<T> download() const {
-    std::vector<T> host(n);
-    HISPARSE_CUDA_CHECK(cudaMemcpy(host.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return host;
-  }
-};
 
 /// One batch as the API sees it: `rows` rows of `n` scores `stride` apart,
 /// optionally limited by per-row lengths (stored unclamped, as a caller may
