@@ -39,7 +39,6 @@ struct gpu_buffers {
   }
 };
 
-
 /// Appends `tokens` tokens to each of `batch` sequences per iteration (one
 /// layer), cycling the sequences when they fill up, and times the same bytes
 /// through cudaMemcpyAsync device-to-device for the in-run baseline.

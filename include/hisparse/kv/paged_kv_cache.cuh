@@ -21,6 +21,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "hisparse/config.hpp"
 #include "hisparse/core/dtype.hpp"
 #include "hisparse/core/status.hpp"
 #include "hisparse/kv/page_pool.hpp"
@@ -575,16 +576,15 @@ class paged_kv_cache {
   static paged_kv_cache_options validated(const paged_kv_cache_options& o) {
     auto bad = [](const std::string& why) { throw error(status::invalid_argument, "paged_kv_cache_options." + why); };
     if (o.num_layers < 1) bad("num_layers must be >= 1");
-    if (o.num_kv_heads < 1 || o.num_kv_heads > kMaxHeadsForCache) bad("num_kv_heads must be in [1, 1024]");
+    if (o.num_kv_heads < 1 || o.num_kv_heads > kMaxHeads) bad("num_kv_heads must be in [1, 1024]");
     if (o.head_dim != 64 && o.head_dim != 128 && o.head_dim != 256) bad("head_dim must be 64, 128 or 256");
     if (o.fine_slice < 1 || o.fine_slice > 1024) bad("fine_slice must be in [1, 1024]");
     if (o.coarse_block < o.fine_slice || o.coarse_block % o.fine_slice != 0)
       bad("coarse_block must be a multiple of fine_slice");
     if (o.max_sequences < 1 || o.max_sequences > 4096) bad("max_sequences must be in [1, 4096]");
-    if (o.max_context < 1 || o.max_context > (std::int64_t{1} << 30)) bad("max_context must be in [1, 2^30]");
+    if (o.max_context < 1 || o.max_context > kMaxContext) bad("max_context must be in [1, 2^30]");
     return o;
   }
-  static constexpr int kMaxHeadsForCache = 1024;
 
   static page_pool_options pool_options(const paged_kv_cache_options& o) {
     page_pool_options p;
