@@ -25,12 +25,13 @@ struct event_timer {
   event_timer(const event_timer&) = delete;
   event_timer& operator=(const event_timer&) = delete;
 
-  /// Seconds between events recorded around `f()` (which enqueues work).
+  /// Seconds between events recorded on `stream` around `f()` (which
+  /// enqueues work on it).
   template <class F>
-  double seconds(F&& f) {
-    HISPARSE_CUDA_CHECK(cudaEventRecord(a));
+  double seconds(F&& f, cudaStream_t stream = nullptr) {
+    HISPARSE_CUDA_CHECK(cudaEventRecord(a, stream));
     f();
-    HISPARSE_CUDA_CHECK(cudaEventRecord(b));
+    HISPARSE_CUDA_CHECK(cudaEventRecord(b, stream));
     HISPARSE_CUDA_CHECK(cudaEventSynchronize(b));
     float ms = 0;
     HISPARSE_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));

@@ -3,6 +3,11 @@
 # again under compute-sanitizer (memcheck, racecheck), run the benchmarks with
 # JSON output, and print a short summary last.
 #   scripts/gpu-check.sh OUT_DIR
+# Environment (all optional, for splitting the work over several short calls):
+#   HISPARSE_TARGETS   targets to build (default: all)
+#   HISPARSE_BENCH     regex of benchmark programs to run (default: all; "none": none)
+#   HISPARSE_SANITIZE  regex of test binaries to sanitize (default: all; "none": none)
+#   HISPARSE_DEMO=1    also run the demo (its table goes to stdout)
 set -uo pipefail
 out=${1:?usage: scripts/gpu-check.sh OUT_DIR}
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -10,7 +15,12 @@ mkdir -p "$out"
 cd "$root"
 summary=()
 cmake --preset h200 -DHISPARSE_BUILD_TESTS=ON >/dev/null || exit 1
-cmake --build --preset h200 -j "$(nproc)" || exit 1
+if [ -n "${HISPARSE_TARGETS:-}" ]; then
+  # shellcheck disable=SC2086
+  cmake --build --preset h200 -j "$(nproc)" --target $HISPARSE_TARGETS || exit 1
+else
+  cmake --build --preset h200 -j "$(nproc)" || exit 1
+fi
 
 # Only JSON, the sanitizer digest and this script's own output go to OUT_DIR
 # (a lent GPU host returns few files); the rest stays in a scratch folder.
@@ -28,8 +38,23 @@ for exe in build/h200/bench/bench_*; do
   summary+=("$name: $(grep -c '^BM_' "$scratch/$name.txt") results")
 done
 
+# The PyTorch decode step (dense SDPA and the same selection in PyTorch).
+if [[ bench_attention =~ ${HISPARSE_BENCH:-.} ]] && [ -x build/h200/bench/bench_attention ]; then
+  if python3 scripts/torch_decode.py "$out/torch_decode.json" >"$scratch/torch_decode.txt" 2>&1; then
+    summary+=("torch_decode: done")
+  else
+    summary+=("torch_decode: FAILED")
+  fi
+  cat "$scratch/torch_decode.txt"
+fi
+
+if [ "${HISPARSE_DEMO:-0}" = 1 ] && [ -x build/h200/examples/hisparse_demo ]; then
+  echo "== demo =="
+  build/h200/examples/hisparse_demo || summary+=("demo: FAILED")
+fi
+
 # torch.topk on the same shapes as bench_topk, for the side-by-side table.
-if [[ bench_topk =~ ${HISPARSE_BENCH:-.} ]]; then
+if [[ bench_topk =~ ${HISPARSE_BENCH:-.} ]] && [ -x build/h200/bench/bench_topk ]; then
   if python3 scripts/torch_topk.py "$out/torch_topk.json" >"$scratch/torch_topk.txt" 2>&1; then
     summary+=("torch_topk: done")
     cat "$scratch/torch_topk.txt"
@@ -42,6 +67,7 @@ fi
 # compute-sanitizer over every test binary that has GPU tests.
 for exe in build/h200/test/test_gpu_*; do
   [ -x "$exe" ] || continue
+  [[ "$(basename "$exe")" =~ ${HISPARSE_SANITIZE:-.} ]] || continue
   for tool in memcheck racecheck; do
     log=$(mktemp)
     # Tests tagged [expected_api_error] make a CUDA call fail on purpose: run

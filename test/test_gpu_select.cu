@@ -8,6 +8,7 @@
 #include <cmath>
 #include <vector>
 
+#include "gpu_problem.hpp"
 #include "gpu_test.hpp"
 #include "hisparse/kv/paged_kv_cache.cuh"
 #include "hisparse/mr/device_pool_resource.hpp"
@@ -22,31 +23,10 @@ namespace {
 template <class T>
 using dev = test::device_buffer<T>;
 
-/// A batch of sequences in a paged cache plus their host copies.
-struct problem {
-  attention_shape shape;
-  SparseAttentionConfig cfg;
-  std::vector<std::int64_t> lengths;
-  std::vector<std::vector<__nv_bfloat16>> keys, values;  // [seq] -> [t][h][d]
-  std::vector<__nv_bfloat16> queries;                    // [b][hq][d]
-};
-
-problem make_problem(const attention_shape& shape, const SparseAttentionConfig& cfg,
-                     std::vector<std::int64_t> lengths, std::uint64_t seed, bool constant_keys = false) {
-  problem p{shape, cfg, std::move(lengths), {}, {}, {}};
-  workload::splitmix64 rng(seed);
-  for (const auto len : p.lengths) {
-    std::vector<__nv_bfloat16> k(static_cast<std::size_t>(len * shape.num_kv_heads * shape.head_dim));
-    std::vector<__nv_bfloat16> v(k.size());
-    for (auto& x : k) x = from_float<__nv_bfloat16>(constant_keys ? 0.5f : static_cast<float>(rng.normal()));
-    for (auto& x : v) x = from_float<__nv_bfloat16>(static_cast<float>(rng.normal()));
-    p.keys.push_back(std::move(k));
-    p.values.push_back(std::move(v));
-  }
-  p.queries.resize(p.lengths.size() * shape.num_q_heads * shape.head_dim);
-  for (auto& x : p.queries) x = from_float<__nv_bfloat16>(static_cast<float>(rng.normal()));
-  return p;
-}
+using problem = test::problem<__nv_bfloat16>;
+using test::cache_options;
+using test::fill;
+using test::make_problem;
 
 struct gpu_result {
   std::vector<std::int32_t> blocks, slices, num_slices, window;
@@ -54,7 +34,8 @@ struct gpu_result {
 };
 
 template <class Cache>
-gpu_result run_selection(const problem& p, Cache& cache, const std::vector<int>& slots, cudaStream_t stream) {
+gpu_result run_selection(const problem& p, Cache& cache, const std::vector<int>& slots, cudaStream_t stream,
+                         bool clusters = true) {
   const int B = static_cast<int>(slots.size()), H = p.shape.num_kv_heads;
   const int kc = p.cfg.top_k_coarse, kf = p.cfg.top_k_fine;
   dev<std::int32_t> d_slots(std::vector<std::int32_t>(slots.begin(), slots.end()));
@@ -69,32 +50,12 @@ gpu_result run_selection(const problem& p, Cache& cache, const std::vector<int>&
   a.batch = B;
   a.num_q_heads = p.shape.num_q_heads;
   a.set_cache(cache.ref());
+  a.use_clusters = clusters;
   select::decode_selection_output out{slices.ptr, num.ptr, window.ptr, blocks.ptr, bscores.ptr, sscores.ptr};
   REQUIRE(select::select_decode_async(p.cfg, a, out, stream) == status::success);
   HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
   return {blocks.download(), slices.download(), num.download(), window.download(),
           bscores.download(), sscores.download()};
-}
-
-/// Appends every sequence of the problem to a fresh cache (one prefill call).
-template <class Cache>
-std::vector<int> fill(const problem& p, Cache& cache) {
-  std::vector<int> slots;
-  std::vector<kv::append_segment> segs;
-  std::vector<__nv_bfloat16> k, v;
-  for (std::size_t s = 0; s < p.lengths.size(); ++s) {
-    int slot = -1;
-    REQUIRE(cache.add_sequence(cache.options().max_context, slot) == status::success);
-    slots.push_back(slot);
-    segs.push_back({slot, static_cast<std::int32_t>(k.size() / (p.shape.num_kv_heads * p.shape.head_dim)),
-                    static_cast<std::int32_t>(p.lengths[s])});
-    k.insert(k.end(), p.keys[s].begin(), p.keys[s].end());
-    v.insert(v.end(), p.values[s].begin(), p.values[s].end());
-  }
-  dev<__nv_bfloat16> dk(k), dv(v);
-  REQUIRE(cache.append_async(0, segs, dk.ptr, dv.ptr, nullptr) == status::success);
-  HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
-  return slots;
 }
 
 /// Same kept set, or a difference made only of items whose reference scores
@@ -117,14 +78,8 @@ void check_set(const std::vector<std::int32_t>& got, const reference::scored_sel
 
 void compare(const problem& p, const gpu_result& g, int b, bool exact) {
   const int H = p.shape.num_kv_heads, kc = p.cfg.top_k_coarse, kf = p.cfg.top_k_fine;
-  reference::sequence<__nv_bfloat16> seq;
+  const auto seq = p.sequence(b);
   const std::int64_t len = p.lengths[static_cast<std::size_t>(b)];
-  seq.keys = tensor_view<const __nv_bfloat16, 3>::contiguous(p.keys[b].data(), len, H, p.shape.head_dim);
-  seq.values = tensor_view<const __nv_bfloat16, 3>::contiguous(p.values[b].data(), len, H, p.shape.head_dim);
-  seq.queries = tensor_view<const __nv_bfloat16, 3>::contiguous(
-      p.queries.data() + static_cast<std::size_t>(b) * p.shape.num_q_heads * p.shape.head_dim, 1,
-      p.shape.num_q_heads, p.shape.head_dim);
-  seq.q_begin = len - 1;
   const auto r = reference::decode(p.cfg, p.shape, seq);
   const auto& tile = r.tiles.at(0);
   REQUIRE(g.window[static_cast<std::size_t>(b)] == tile.window_begin);
@@ -175,17 +130,13 @@ void check_problem_on_gpu(const problem& p, Cache& cache, bool exact = false) {
   const auto slots = fill(p, cache);
   const auto g = run_selection(p, cache, slots, nullptr);
   for (int b = 0; b < static_cast<int>(p.lengths.size()); ++b) compare(p, g, b, exact);
-}
-
-kv::paged_kv_cache_options cache_options(const problem& p, std::int64_t max_context) {
-  kv::paged_kv_cache_options o;
-  o.num_kv_heads = p.shape.num_kv_heads;
-  o.head_dim = p.shape.head_dim;
-  o.fine_slice = p.cfg.fine_slice;
-  o.coarse_block = p.cfg.coarse_block;
-  o.max_sequences = static_cast<int>(p.lengths.size());
-  o.max_context = max_context;
-  return o;
+  // The single-CTA kernel (what sm_80/sm_89 run) selects exactly the same.
+  const auto single = run_selection(p, cache, slots, nullptr, /*clusters=*/false);
+  CHECK(single.blocks == g.blocks);
+  CHECK(single.slices == g.slices);
+  CHECK(single.num_slices == g.num_slices);
+  CHECK(single.block_scores == g.block_scores);
+  CHECK(single.slice_scores == g.slice_scores);
 }
 
 }  // namespace
@@ -226,15 +177,21 @@ TEST_CASE("decode selection breaks ties toward lower indices", "[gpu][select]") 
   check_problem_on_gpu(p, cache, /*exact=*/true);
 }
 
-TEST_CASE("wide top-k uses the block-wide path", "[gpu][select]") {
+TEST_CASE("wide top-k: the threshold filter up to k = 128, block_topk beyond", "[gpu][select]") {
   HISPARSE_REQUIRE_GPU();
   const std::uint64_t seed = test::fresh_seed();
   INFO("seed " << seed);
   mr::device_pool_resource device;
-  const SparseAttentionConfig wide{512, 1024, 64, 64, 48, 1};  // k > 32: block path both times
-  const problem p = make_problem({8, 2, 128}, wide, {70000, 200000}, seed);
-  kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, cache_options(p, 200000));
-  check_problem_on_gpu(p, cache);
+  // k = 64 / 48 with up to 1024 fine candidates: the filter path.
+  const SparseAttentionConfig wide{512, 1024, 64, 64, 48, 1};
+  // k = 160 / 200 and 2560 fine candidates: the block_topk fallback.
+  const SparseAttentionConfig widest{512, 1024, 64, 160, 200, 1};
+  for (const auto& cfg : {wide, widest}) {
+    INFO("top_k " << cfg.top_k_coarse << " / " << cfg.top_k_fine);
+    const problem p = make_problem({8, 2, 128}, cfg, {70000, 200000}, seed);
+    kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, cache_options(p, 200000));
+    check_problem_on_gpu(p, cache);
+  }
 }
 
 TEST_CASE("decode selection replays from a CUDA graph with new inputs", "[gpu][select]") {

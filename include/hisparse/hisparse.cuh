@@ -23,3 +23,6 @@
 #include "hisparse/select/decode_selection.cuh"
 #include "hisparse/select/topk.cuh"
 #include "hisparse/select/topk_keys.hpp"
+#include "hisparse/attention/decode.cuh"
+#include "hisparse/runtime/hierarchical_attention.cuh"
+#include "hisparse/runtime/sparse_attention_op.cuh"

@@ -1,7 +1,8 @@
 #pragma once
 // Decode selection: the coarse and fine filters of DESIGN.md section 1 for
-// one query per sequence (M = 1), fused into one launch. One CTA per
-// (sequence, KV head):
+// one query per sequence (M = 1), fused into one launch. A cluster of 8 CTAs
+// per (sequence, KV head) on sm_90 (they split the scoring and exchange
+// scores through distributed shared memory), one CTA on sm_80/sm_89:
 //   1. the GQA group's queries are summed in fp32 (sum_g q_g . x = (sum_g q_g) . x);
 //   2. every candidate block (bC < ws) is scored against its mean key -- the
 //      stored block sum over C for whole blocks, the sum of the far slices'
@@ -15,9 +16,12 @@
 // the only KV data read, so the step reads ~0.4 MB per (sequence, KV head)
 // at 256K tokens.
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 
+#include <cooperative_groups.h>
 #include <cub/block/block_scan.cuh>
 #include <cuda_runtime_api.h>
 
@@ -58,6 +62,10 @@ struct decode_selection_arguments {
   const std::int32_t* lengths = nullptr;
   int layers = 0, kv_heads = 0, head_dim = 0, fine_slice = 0, coarse_block = 0;
   std::int32_t max_slices = 0, max_blocks = 0;
+  /// Launch a cluster of CTAs per (sequence, KV head) where the device and
+  /// the binary allow it (sm_90+); false forces the single-CTA kernel that
+  /// sm_80/sm_89 run (tests use it to cover that path on an H200).
+  bool use_clusters = true;
 
   template <class T>
   void set_cache(const kv::paged_kv_ref<T>& r) {
@@ -76,18 +84,76 @@ struct decode_selection_arguments {
 
 namespace detail {
 
-inline constexpr int kSelectThreads = 512;
+inline constexpr int kSelectThreads = 256;
 inline constexpr int kSelectWarps = kSelectThreads / 32;
-inline constexpr int kSelectKeysPerThread = 8;
+inline constexpr int kSelectKeysPerThread = 16;
 /// Candidates one CTA ranks: 4096 blocks (4M tokens at C = 1024) or 4096
 /// fine candidates (top_k_coarse * C / F).
 inline constexpr int kMaxSelectCandidates = kSelectThreads * kSelectKeysPerThread;
+/// The threshold-filter top-k (mark_top_k) covers up to this many
+/// candidates and k up to half the CTA; larger problems take block_topk.
+inline constexpr int kFilterMaxCandidates = 1024;
+inline constexpr int kFilterMaxK = kSelectThreads / 2;
+/// CTAs of one thread-block cluster that share a (sequence, KV head) on sm_90.
+inline constexpr int kSelectCluster = 8;
+
+/// Byte offsets into the kernel's dynamic shared memory, sized from the
+/// config and the cache (host side, select_decode_async).
+struct selection_smem {
+  int keys = 0;           ///< topk_key[key_capacity]: filter survivors or the block_topk sort
+  int coarse_scores = 0;  ///< float[max_blocks]
+  int fine_scores = 0;    ///< float[top_k_coarse * C / F]
+  int keep = 0;           ///< uint8[max(max_blocks, fine candidates)]
+  int kept_blocks = 0;    ///< int32[top_k_coarse]
+  int bytes = 0;
+};
 
 template <class Q>
 struct decode_params {
   decode_selection_arguments<Q> in;
   decode_selection_output out;
   int window, top_k_coarse, top_k_fine;
+  selection_smem smem;
+};
+
+/// The few cluster operations the kernel needs, for a cluster of S CTAs;
+/// S = 1 is a plain CTA (every architecture). Clusters exist from sm_90 on;
+/// the host launches S > 1 only where the loaded binary is sm_90 or newer.
+template <int S>
+struct cluster_ops {
+  __device__ static unsigned rank() {
+    if constexpr (S == 1) return 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    return cooperative_groups::this_cluster().block_rank();
+#else
+    __trap();
+    return 0;
+#endif
+  }
+  /// Barrier across the cluster with release/acquire semantics: shared
+  /// memory written (locally or remotely) before it is visible after it.
+  __device__ static void sync() {
+    if constexpr (S == 1) {
+      __syncthreads();
+    } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      cooperative_groups::this_cluster().sync();
+#else
+      __trap();
+#endif
+    }
+  }
+  /// `p` (an address in this CTA's shared memory) in CTA `r` of the cluster.
+  template <class T>
+  __device__ static T* peer(T* p, unsigned r) {
+    if constexpr (S == 1) return p;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    return cooperative_groups::this_cluster().map_shared_rank(p, r);
+#else
+    __trap();
+    return p;
+#endif
+  }
 };
 
 /// Loads this lane's kPer consecutive floats of a D-float row.
@@ -105,23 +171,27 @@ __device__ __forceinline__ void load_lane(const float* row, float (&v)[kPer]) {
   }
 }
 
-/// Scores candidate rows [0, count) with one warp per row: `load(r, d0, v)`
-/// fills the lane's floats d0..d0+kPer-1 of row r's key sum, which is dotted
-/// with qsum and scaled by scale_of(r) (1 / tokens). Every row goes through
-/// the same arithmetic in the same order, so equal means give equal scores.
-template <int D, class Load, class ScaleOf>
-__device__ void score_rows(int count, const float* qsum, Load load, ScaleOf scale_of, float* scores) {
+/// Scores candidate rows [0, count) with one warp per row; the cluster's
+/// S * kSelectWarps warps split the rows (`first_warp` is this CTA's first),
+/// and `store(r, score)` runs in lane 0. `load(r, d0, v)` fills the lane's
+/// floats d0..d0+kPer-1 of row r's key sum, dotted with qsum and scaled by
+/// scale_of(r) (1 / tokens). Every row goes through the same arithmetic in
+/// the same order, so equal means give equal scores wherever they are scored.
+template <int D, int S, class Load, class ScaleOf, class Store>
+__device__ void score_rows(int count, const float* qsum, Load load, ScaleOf scale_of, Store store) {
   constexpr int kPer = D / 32;  // floats per lane: 2, 4 or 8
   constexpr int kRowsInFlight = 4;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  constexpr int kStride = S * kSelectWarps;
+  const int lane = threadIdx.x & 31;
+  const int warp = static_cast<int>(cluster_ops<S>::rank()) * kSelectWarps + static_cast<int>(threadIdx.x / 32);
   float q[kPer];
 #pragma unroll
   for (int i = 0; i < kPer; ++i) q[i] = qsum[lane * kPer + i];
-  for (int base = warp; base < count; base += kSelectWarps * kRowsInFlight) {
+  for (int base = warp; base < count; base += kStride * kRowsInFlight) {
     float part[kRowsInFlight];
 #pragma unroll
     for (int u = 0; u < kRowsInFlight; ++u) {
-      const int r = base + u * kSelectWarps;
+      const int r = base + u * kStride;
       part[u] = 0.0f;
       if (r < count) {
         float v[kPer];
@@ -135,40 +205,82 @@ __device__ void score_rows(int count, const float* qsum, Load load, ScaleOf scal
       float s = part[u];
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(kFullMask, s, off);
-      const int r = base + u * kSelectWarps;
-      if (lane == 0 && r < count) scores[r] = s * scale_of(r);
+      const int r = base + u * kStride;
+      if (lane == 0 && r < count) store(r, s * scale_of(r));
     }
   }
 }
 
-/// Top-k of scores[0, count) (ids 0..count-1): sets keep[i] for the kept
-/// candidates. Warp path for small problems, block path otherwise.
-template <class BlockTopk, class WarpTopk>
-__device__ void mark_top_k(const float* scores, int count, int k, unsigned char* keep,
-                           typename BlockTopk::TempStorage& block_storage, typename WarpTopk::TempStorage& warp_storage,
-                           topk_key* sorted) {
-  for (int i = threadIdx.x; i < count; i += kSelectThreads) keep[i] = 0;
-  __syncthreads();
-  if (count <= 32 * 16 && k <= 32) {
-    if (threadIdx.x < 32) {
-      topk_key keys[16];
+/// Stores a score into the same slot of every CTA of the cluster.
+template <int S>
+__device__ __forceinline__ void broadcast(float* scores, int r, float s) {
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const int i = j * 32 + static_cast<int>(threadIdx.x);
-        keys[j] = i < count ? make_key(scores[i], i) : kNoCandidate;
-      }
-      const topk_key key = WarpTopk(warp_storage).select(keys, k);
-      if (key != kNoCandidate) keep[key_index(key)] = 1;
+  for (int c = 0; c < S; ++c) cluster_ops<S>::peer(scores, static_cast<unsigned>(c))[r] = s;
+}
+
+struct filter_storage {
+  topk_key group_max[2 * kFilterMaxK];
+  topk_key threshold;
+  unsigned fill;
+};
+
+/// Top-k of scores[0, count) (candidate ids 0..count-1), ties to the lower
+/// id: sets keep[i] to 1 for the kept candidates and 0 for the rest.
+///
+/// Threshold filter (count <= 1024, k <= 128): split the candidates into
+/// ng = min(count, 2k) interleaved groups; the k-th largest group maximum is
+/// a key that at least k candidates reach, so every one of the true top k
+/// reaches it too. Only the survivors (~2k-3k on random scores; all of them
+/// in the worst case, still exact) are ranked, each against the others, and
+/// rank < k keeps. Four barriers, no serial rounds: the 1-bit radix select
+/// it replaces spent 32-64 rounds with a barrier each.
+template <class BlockTopk>
+__device__ void mark_top_k(const float* scores, int count, int k, unsigned char* keep, topk_key* keys,
+                           filter_storage& fs, typename BlockTopk::TempStorage& block_storage) {
+  const int t = static_cast<int>(threadIdx.x);
+  for (int i = t; i < count; i += kSelectThreads) keep[i] = count <= k ? 1 : 0;
+  if (count <= k) {
+    __syncthreads();
+    return;
+  }
+  if (count <= kFilterMaxCandidates && k <= kFilterMaxK) {
+    const int ng = min(count, 2 * k);
+    if (t < ng) {
+      topk_key m = kNoCandidate;
+      for (int i = t; i < count; i += ng) m = max(m, make_key(scores[i], i));
+      fs.group_max[t] = m;
+    }
+    if (t == 0) fs.fill = 0;
+    __syncthreads();
+    if (t < ng) {
+      const topk_key mine = fs.group_max[t];
+      int above = 0;
+      for (int u = 0; u < ng; ++u) above += fs.group_max[u] > mine ? 1 : 0;
+      if (above == k - 1) fs.threshold = mine;
+    }
+    __syncthreads();
+    const topk_key threshold = fs.threshold;
+    for (int i = t; i < count; i += kSelectThreads) {
+      const topk_key key = make_key(scores[i], i);
+      if (key >= threshold) keys[atomicAdd(&fs.fill, 1u)] = key;
+    }
+    __syncthreads();
+    const int survivors = static_cast<int>(fs.fill);
+    for (int s = t; s < survivors; s += kSelectThreads) {
+      const topk_key mine = keys[s];
+      int above = 0;
+      for (int u = 0; u < survivors; ++u) above += keys[u] > mine ? 1 : 0;
+      if (above < k) keep[key_index(mine)] = 1;
     }
   } else {
-    topk_key keys[kSelectKeysPerThread];
+    topk_key mine[kSelectKeysPerThread];
 #pragma unroll
     for (int j = 0; j < kSelectKeysPerThread; ++j) {
-      const int i = j * kSelectThreads + static_cast<int>(threadIdx.x);
-      keys[j] = i < count ? make_key(scores[i], i) : kNoCandidate;
+      const int i = j * kSelectThreads + t;
+      mine[j] = i < count ? make_key(scores[i], i) : kNoCandidate;
     }
-    const int found = BlockTopk(block_storage).select(keys, k, sorted);
-    for (int i = threadIdx.x; i < found; i += kSelectThreads) keep[key_index(sorted[i])] = 1;
+    const int found = BlockTopk(block_storage).select(mine, k, keys);
+    for (int i = t; i < found; i += kSelectThreads) keep[key_index(keys[i])] = 1;
   }
   __syncthreads();
 }
@@ -192,24 +304,32 @@ __device__ int compact_marked(const unsigned char* keep, int count, typename Sca
   return total;
 }
 
-template <class Q, int D>
+/// Grid: x = KV head * S (a cluster of S CTAs per head), y = batch row.
+/// The cluster's CTAs split the scoring of blocks and of fine candidates and
+/// broadcast every score into each other's shared memory, so each CTA holds
+/// all scores after a cluster barrier; all rank the blocks (identically), and
+/// CTA 0 ranks the slices and writes the outputs.
+template <class Q, int D, int S>
 __global__ void __launch_bounds__(kSelectThreads) decode_selection_kernel(const __grid_constant__ decode_params<Q> p) {
   using block_select = block_topk<kSelectThreads, kSelectKeysPerThread>;
-  using warp_select = warp_topk<16>;
   using scan = cub::BlockScan<int, kSelectThreads>;
+  using cluster = cluster_ops<S>;
   __shared__ float qsum[D];
-  __shared__ float scores[kMaxSelectCandidates];
-  __shared__ unsigned char keep[kMaxSelectCandidates];
-  __shared__ std::int32_t kept_blocks[kMaxTopK];
+  __shared__ filter_storage filter;
   __shared__ union {
     typename block_select::TempStorage block;
-    typename warp_select::TempStorage warp;
     typename scan::TempStorage scan;
   } storage;
-  extern __shared__ topk_key sorted[];
+  extern __shared__ __align__(16) unsigned char smem[];
+  auto* keys = reinterpret_cast<topk_key*>(smem + p.smem.keys);
+  auto* coarse_scores = reinterpret_cast<float*>(smem + p.smem.coarse_scores);
+  auto* fine_scores = reinterpret_cast<float*>(smem + p.smem.fine_scores);
+  auto* keep = smem + p.smem.keep;
+  auto* kept_blocks = reinterpret_cast<std::int32_t*>(smem + p.smem.kept_blocks);
 
   const auto& in = p.in;
-  const int h = blockIdx.x, b = blockIdx.y;
+  const unsigned rank = cluster::rank();
+  const int h = static_cast<int>(blockIdx.x) / S, b = blockIdx.y;
   const int seq = in.slots[b];
   const std::int64_t seq_layer = std::int64_t{seq} * in.layers + in.layer;
   const std::int32_t length = in.lengths[seq_layer];
@@ -219,7 +339,7 @@ __global__ void __launch_bounds__(kSelectThreads) decode_selection_kernel(const 
   const std::int32_t ws = x <= 0 ? 0 : x / F * F;
   const std::int32_t far_slices = ws / F;
   const std::int32_t blocks = (ws + C - 1) / C;
-  if (h == 0 && threadIdx.x == 0) p.out.window_begin[b] = ws;
+  if (rank == 0 && h == 0 && threadIdx.x == 0) p.out.window_begin[b] = ws;
 
   const int group = in.num_q_heads / in.kv_heads;
   const Q* q = in.queries + (std::int64_t{b} * in.num_q_heads + std::int64_t{h} * group) * D;
@@ -228,7 +348,9 @@ __global__ void __launch_bounds__(kSelectThreads) decode_selection_kernel(const 
     for (int g = 0; g < group; ++g) acc += to_float(q[std::int64_t{g} * D + d]);
     qsum[d] = acc;
   }
-  __syncthreads();
+  // Every CTA of the cluster must be running before any writes into its
+  // shared memory: this barrier also publishes qsum.
+  cluster::sync();
 
   const std::int64_t head_stride = std::int64_t{in.kv_heads} * D;
   const float* slice_base = in.slice_sums + (seq_layer * in.max_slices * in.kv_heads + h) * D;
@@ -238,7 +360,7 @@ __global__ void __launch_bounds__(kSelectThreads) decode_selection_kernel(const 
   // the block holding ws is scored by the sum of its far slices' sums.
   constexpr int kPer = D / 32;
   const bool partial_last = std::int64_t{blocks} * C > ws;
-  score_rows<D>(
+  score_rows<D, S>(
       blocks, qsum,
       [&](int r, int d0, float(&v)[kPer]) {
         if (partial_last && r == blocks - 1) {
@@ -258,19 +380,20 @@ __global__ void __launch_bounds__(kSelectThreads) decode_selection_kernel(const 
         const std::int32_t tokens = partial_last && r == blocks - 1 ? ws - r * C : C;
         return 1.0f / static_cast<float>(tokens);
       },
-      scores);
-  __syncthreads();
+      [&](int r, float s) { broadcast<S>(coarse_scores, r, s); });
+  cluster::sync();
+
   int kept = 0;
-  float* out_block_scores =
-      p.out.block_scores ? p.out.block_scores + (std::int64_t{b} * in.kv_heads + h) * p.top_k_coarse : nullptr;
-  std::int32_t* out_blocks =
-      p.out.kept_blocks ? p.out.kept_blocks + (std::int64_t{b} * in.kv_heads + h) * p.top_k_coarse : nullptr;
+  const bool writer = rank == 0;
+  const std::int64_t at = std::int64_t{b} * in.kv_heads + h;
+  float* out_block_scores = writer && p.out.block_scores ? p.out.block_scores + at * p.top_k_coarse : nullptr;
+  std::int32_t* out_blocks = writer && p.out.kept_blocks ? p.out.kept_blocks + at * p.top_k_coarse : nullptr;
   if (blocks > 0) {  // uniform across the CTA
-    mark_top_k<block_select, warp_select>(scores, blocks, p.top_k_coarse, keep, storage.block, storage.warp, sorted);
+    mark_top_k<block_select>(coarse_scores, blocks, p.top_k_coarse, keep, keys, filter, storage.block);
     kept = compact_marked<scan>(keep, blocks, storage.scan, [&](int pos, int block) {
       kept_blocks[pos] = block;
       if (out_blocks) out_blocks[pos] = block;
-      if (out_block_scores) out_block_scores[pos] = scores[block];
+      if (out_block_scores) out_block_scores[pos] = coarse_scores[block];
     });
   }
   if (out_blocks)
@@ -285,28 +408,110 @@ __global__ void __launch_bounds__(kSelectThreads) decode_selection_kernel(const 
   // so the real candidates are exactly the first `candidates`.
   auto slice_of = [&](int c) { return kept_blocks[c / spb] * spb + c % spb; };
   const int candidates = kept == 0 ? 0 : kept * spb - max(0, (kept_blocks[kept - 1] + 1) * spb - far_slices);
-  std::int32_t* out_slices = p.out.kept_slices + (std::int64_t{b} * in.kv_heads + h) * p.top_k_fine;
-  float* out_slice_scores =
-      p.out.slice_scores ? p.out.slice_scores + (std::int64_t{b} * in.kv_heads + h) * p.top_k_fine : nullptr;
+  score_rows<D, S>(
+      candidates, qsum,
+      [&](int c, int d0, float(&v)[kPer]) { load_lane<kPer>(slice_base + slice_of(c) * head_stride + d0, v); },
+      [&](int) { return 1.0f / static_cast<float>(F); },
+      [&](int c, float s) { broadcast<S>(fine_scores, c, s); });
+  // After this barrier no CTA touches another's shared memory again, so the
+  // others may leave.
+  cluster::sync();
+  if (!writer) return;
+
+  std::int32_t* out_slices = p.out.kept_slices + at * p.top_k_fine;
+  float* out_slice_scores = p.out.slice_scores ? p.out.slice_scores + at * p.top_k_fine : nullptr;
   int kept_slices = 0;
   if (candidates > 0) {  // uniform across the CTA
-    score_rows<D>(
-        candidates, qsum,
-        [&](int c, int d0, float(&v)[kPer]) { load_lane<kPer>(slice_base + slice_of(c) * head_stride + d0, v); },
-        [&](int) { return 1.0f / static_cast<float>(F); }, scores);
-    __syncthreads();
-    mark_top_k<block_select, warp_select>(scores, candidates, p.top_k_fine, keep, storage.block, storage.warp,
-                                          sorted);
+    mark_top_k<block_select>(fine_scores, candidates, p.top_k_fine, keep, keys, filter, storage.block);
     kept_slices = compact_marked<scan>(keep, candidates, storage.scan, [&](int pos, int c) {
       out_slices[pos] = slice_of(c);
-      if (out_slice_scores) out_slice_scores[pos] = scores[c];
+      if (out_slice_scores) out_slice_scores[pos] = fine_scores[c];
     });
   }
   for (int i = kept_slices + threadIdx.x; i < p.top_k_fine; i += kSelectThreads) {
     out_slices[i] = -1;
     if (out_slice_scores) out_slice_scores[i] = -__int_as_float(0x7f800000);
   }
-  if (threadIdx.x == 0) p.out.num_slices[std::int64_t{b} * in.kv_heads + h] = kept_slices;
+  if (threadIdx.x == 0) p.out.num_slices[at] = kept_slices;
+}
+
+/// Dynamic shared memory of the kernel for this config and cache.
+inline selection_smem plan_selection_smem(const SparseAttentionConfig& cfg, std::int32_t max_blocks) {
+  auto align = [](int x, int a) { return (x + a - 1) / a * a; };
+  const int fine = cfg.top_k_coarse * cfg.slices_per_block();
+  const int key_capacity =
+      std::max(kFilterMaxCandidates, block_topk<kSelectThreads, kSelectKeysPerThread>::sort_capacity(
+                                         std::max(cfg.top_k_coarse, cfg.top_k_fine)));
+  selection_smem s;
+  int at = 0;
+  s.keys = at;
+  at += key_capacity * static_cast<int>(sizeof(topk_key));
+  s.coarse_scores = at;
+  at = align(at + max_blocks * 4, 16);
+  s.fine_scores = at;
+  at = align(at + fine * 4, 16);
+  s.kept_blocks = at;
+  at = align(at + cfg.top_k_coarse * 4, 16);
+  s.keep = at;
+  at = align(at + std::max<int>(max_blocks, fine), 16);
+  s.bytes = at;
+  return s;
+}
+
+template <class Q, int D, int S>
+status launch_selection(const decode_params<Q>& p, int kv_heads, int batch, cudaStream_t stream) {
+  auto* kernel = &decode_selection_kernel<Q, D, S>;
+  if (p.smem.bytes > 48 * 1024)
+    HISPARSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p.smem.bytes));
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(kv_heads * S), static_cast<unsigned>(batch));
+  config.blockDim = dim3(kSelectThreads);
+  config.dynamicSmemBytes = static_cast<std::size_t>(p.smem.bytes);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  if constexpr (S > 1) {
+    attribute[0].id = cudaLaunchAttributeClusterDimension;
+    attribute[0].val.clusterDim.x = S;
+    attribute[0].val.clusterDim.y = 1;
+    attribute[0].val.clusterDim.z = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+  }
+  HISPARSE_CUDA_TRY(cudaLaunchKernelEx(&config, kernel, p));
+  return status::success;
+}
+
+/// Whether the binary this device runs for the cluster kernel is sm_90 or
+/// newer (a build without sm_90 code runs the single-CTA kernel on an H100).
+template <class Q, int D>
+bool cluster_selection_available() {
+  cudaFuncAttributes attr{};
+  if (cudaFuncGetAttributes(&attr, &decode_selection_kernel<Q, D, kSelectCluster>) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return attr.binaryVersion >= 90;
+}
+
+inline constexpr int kMaxCachedDevices = 64;
+
+template <class Q, int D>
+status launch_selection(const decode_params<Q>& p, int kv_heads, int batch, cudaStream_t stream) {
+  if (!p.in.use_clusters) return launch_selection<Q, D, 1>(p, kv_heads, batch, stream);
+  // Cached per device: 0 unknown, 1 no, 2 yes.
+  static std::atomic<signed char> known[kMaxCachedDevices];
+  int device = 0;
+  HISPARSE_CUDA_TRY(cudaGetDevice(&device));
+  bool clusters = false;
+  if (device < kMaxCachedDevices) {
+    signed char k = known[device].load(std::memory_order_relaxed);
+    if (k == 0) known[device].store(k = cluster_selection_available<Q, D>() ? 2 : 1, std::memory_order_relaxed);
+    clusters = k == 2;
+  } else {
+    clusters = cluster_selection_available<Q, D>();
+  }
+  return clusters ? launch_selection<Q, D, kSelectCluster>(p, kv_heads, batch, stream)
+                  : launch_selection<Q, D, 1>(p, kv_heads, batch, stream);
 }
 
 }  // namespace detail
@@ -315,8 +520,7 @@ __global__ void __launch_bounds__(kSelectThreads) decode_selection_kernel(const 
 /// that the cache was built with the config's slice and block sizes.
 template <class Q>
 [[nodiscard]] status can_implement_decode_selection(const SparseAttentionConfig& cfg,
-                                                    const decode_selection_arguments<Q>& a,
-                                                    const decode_selection_output& out) {
+                                                    const decode_selection_arguments<Q>& a) {
   HISPARSE_TRY(check(cfg));
   HISPARSE_TRY(check(attention_shape{a.num_q_heads, a.kv_heads, a.head_dim}));
   auto bad = [](const std::string& why) { return fail(status::invalid_argument, "decode selection: " + why); };
@@ -324,8 +528,6 @@ template <class Q>
   if (a.queries == nullptr || a.slots == nullptr || a.slice_sums == nullptr || a.block_sums == nullptr ||
       a.lengths == nullptr)
     return bad("queries, slots and the cache's summaries must not be null");
-  if (out.kept_slices == nullptr || out.num_slices == nullptr || out.window_begin == nullptr)
-    return bad("kept_slices, num_slices and window_begin outputs must not be null");
   if (a.layer < 0 || a.layer >= a.layers) return bad("layer out of range");
   if (a.fine_slice != cfg.fine_slice || a.coarse_block != cfg.coarse_block)
     return bad("the cache's slice/block sizes (" + std::to_string(a.fine_slice) + "/" +
@@ -339,24 +541,31 @@ template <class Q>
   return status::success;
 }
 
+/// The same, and that the outputs the kernel always writes are set.
+template <class Q>
+[[nodiscard]] status can_implement_decode_selection(const SparseAttentionConfig& cfg,
+                                                    const decode_selection_arguments<Q>& a,
+                                                    const decode_selection_output& out) {
+  HISPARSE_TRY(can_implement_decode_selection(cfg, a));
+  if (out.kept_slices == nullptr || out.num_slices == nullptr || out.window_begin == nullptr)
+    return fail(status::invalid_argument,
+                "decode selection: kept_slices, num_slices and window_begin outputs must not be null");
+  return status::success;
+}
+
 /// One decode step's selection for a batch: one launch, no sync, no
 /// allocation (capturable in a CUDA graph with slots and lengths as inputs).
 template <class Q>
 [[nodiscard]] status select_decode_async(const SparseAttentionConfig& cfg, const decode_selection_arguments<Q>& a,
                                          const decode_selection_output& out, cudaStream_t stream = nullptr) {
   HISPARSE_TRY(can_implement_decode_selection(cfg, a, out));
-  detail::decode_params<Q> p{a, out, cfg.window, cfg.top_k_coarse, cfg.top_k_fine};
-  const int cap = block_topk<detail::kSelectThreads, detail::kSelectKeysPerThread>::sort_capacity(
-      std::max(cfg.top_k_coarse, cfg.top_k_fine));
-  const std::size_t smem = sizeof(topk_key) * static_cast<std::size_t>(cap);
-  const dim3 grid(static_cast<unsigned>(a.kv_heads), static_cast<unsigned>(a.batch));
+  const detail::decode_params<Q> p{a, out, cfg.window, cfg.top_k_coarse, cfg.top_k_fine,
+                                   detail::plan_selection_smem(cfg, a.max_blocks)};
   switch (a.head_dim) {
-    case 64: detail::decode_selection_kernel<Q, 64><<<grid, detail::kSelectThreads, smem, stream>>>(p); break;
-    case 128: detail::decode_selection_kernel<Q, 128><<<grid, detail::kSelectThreads, smem, stream>>>(p); break;
-    default: detail::decode_selection_kernel<Q, 256><<<grid, detail::kSelectThreads, smem, stream>>>(p); break;
+    case 64: return detail::launch_selection<Q, 64>(p, a.kv_heads, a.batch, stream);
+    case 128: return detail::launch_selection<Q, 128>(p, a.kv_heads, a.batch, stream);
+    default: return detail::launch_selection<Q, 256>(p, a.kv_heads, a.batch, stream);
   }
-  HISPARSE_CUDA_TRY(cudaGetLastError());
-  return status::success;
 }
 
 /// The selection stage as a component (DESIGN.md section 2): a policy fixes

@@ -1,0 +1,288 @@
+// HiSparse demo: hierarchical sparse attention on a synthetic long-context
+// decode workload (DESIGN.md section 1, the 7B GQA model's shapes).
+//
+// With a GPU: a batch of requests (8 by default) per context length in a
+// paged bf16 KV cache; one decode step of the sparse operator (selection +
+// attention, replayed from a CUDA graph) against the dense baseline (the same
+// attention kernel over every token) on the same cache: per-step latency,
+// speed-up, tokens attended per query, attention-mass recall (exp(lse_sparse
+// - lse_dense): the dense softmax mass of the attended tokens) and the
+// output's relative error against dense.
+// Without a GPU (or with --cpu): the fp64 CPU reference, per context.
+//
+//   hisparse_demo [--contexts 32768,262144] [--batch 8] [--seed N] [--preset standard] [--cpu]
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "hisparse/config.hpp"
+#include "hisparse/kv/paged_kv_cache.cuh"
+#include "hisparse/mr/device_pool_resource.hpp"
+#include "hisparse/reference/sparse_attention.hpp"
+#include "hisparse/runtime/hierarchical_attention.cuh"
+#include "hisparse/workload/synthetic.hpp"
+
+namespace {
+
+struct options {
+  std::vector<std::int64_t> contexts;  // default: 8K-128K on the CPU, 32K-256K on a GPU
+  int batch = 8;
+  std::uint64_t seed = 2026;
+  std::string preset = "standard";
+  bool cpu = false;
+};
+
+options parse(int argc, char** argv) {
+  options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const bool has_value = i + 1 < argc;
+    if (arg == "--contexts" && has_value) {
+      o.contexts.clear();
+      std::string list = argv[++i];
+      for (std::size_t pos = 0; pos <= list.size();) {
+        const std::size_t comma = std::min(list.find(',', pos), list.size());
+        o.contexts.push_back(std::stoll(list.substr(pos, comma - pos)));
+        pos = comma + 1;
+      }
+    } else if (arg == "--seed" && has_value) {
+      o.seed = std::stoull(argv[++i]);
+    } else if (arg == "--preset" && has_value) {
+      o.preset = argv[++i];
+    } else if (arg == "--batch" && has_value) {
+      o.batch = std::stoi(argv[++i]);
+    } else if (arg == "--cpu") {
+      o.cpu = true;
+    } else {
+      std::fprintf(stderr, "usage: %s [--contexts 8192,32768] [--batch N] [--seed N] [--preset NAME] [--cpu]\n",
+                   argv[0]);
+      std::exit(arg == "--help" ? 0 : 2);
+    }
+  }
+  return o;
+}
+
+double relative_error(const std::vector<double>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    num += (a[i] - b[i]) * (a[i] - b[i]);
+    den += b[i] * b[i];
+  }
+  return std::sqrt(num / den);
+}
+
+template <class T>
+struct device_array {
+  T* ptr = nullptr;
+  explicit device_array(std::size_t n) { HISPARSE_CUDA_CHECK(cudaMalloc(&ptr, std::max<std::size_t>(n, 1) * sizeof(T))); }
+  ~device_array() { cudaFree(ptr); }
+  device_array(const device_array&) = delete;
+  device_array& operator=(const device_array&) = delete;
+  void upload(const T* host, std::size_t n) {
+    HISPARSE_CUDA_CHECK(cudaMemcpy(ptr, host, n * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> download(std::size_t n) const {
+    std::vector<T> h(n);
+    HISPARSE_CUDA_CHECK(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+void run_cpu(const options& opt, const hisparse::SparseAttentionConfig& cfg, const hisparse::attention_shape& shape) {
+  using namespace hisparse;
+  std::printf("path: CPU fp64 reference\n\n");
+  std::printf("%10s %12s %10s %12s %12s %10s\n", "context", "attended/q", "fraction", "mass recall",
+              "rel. error", "cpu s");
+  for (const std::int64_t ctx : opt.contexts) {
+    const auto t0 = std::chrono::steady_clock::now();
+    workload::synthetic_options wo;
+    wo.context = ctx;
+    wo.shape = shape;
+    wo.seed = opt.seed + static_cast<std::uint64_t>(ctx);
+    const auto w = workload::make_synthetic_workload<__nv_bfloat16>(wo);
+    const auto seq = w.sequence();
+    const auto sparse = reference::decode(cfg, shape, seq);
+    const auto dense = reference::dense_attention(shape, seq);
+    const double recall = reference::mass_recall(cfg, shape, seq, sparse, dense);
+    double attended = 0;
+    for (const auto a : sparse.attended) attended += static_cast<double>(a);
+    attended /= static_cast<double>(sparse.attended.size());
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("%10lld %12.0f %9.2f%% %12.4f %12.2e %10.1f\n", static_cast<long long>(ctx), attended,
+                100.0 * attended / static_cast<double>(ctx), recall,
+                relative_error(sparse.output, dense.output), secs);
+  }
+}
+
+/// Median seconds of `f` (which enqueues work on `stream`) over `n` runs.
+template <class F>
+double time_median(cudaStream_t stream, int n, F&& f) {
+  cudaEvent_t a, b;
+  HISPARSE_CUDA_CHECK(cudaEventCreate(&a));
+  HISPARSE_CUDA_CHECK(cudaEventCreate(&b));
+  std::vector<double> t;
+  for (int i = 0; i < n; ++i) {
+    HISPARSE_CUDA_CHECK(cudaEventRecord(a, stream));
+    f();
+    HISPARSE_CUDA_CHECK(cudaEventRecord(b, stream));
+    HISPARSE_CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    HISPARSE_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms * 1e-3);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+void run_gpu(const options& opt, const hisparse::SparseAttentionConfig& cfg, const hisparse::attention_shape& shape) {
+  using namespace hisparse;
+  using bf16 = __nv_bfloat16;
+  cudaDeviceProp prop{};
+  HISPARSE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  const int B = opt.batch, Hq = shape.num_q_heads, Hkv = shape.num_kv_heads, D = shape.head_dim;
+  std::printf("path: GPU (%s); %d requests per context: one synthetic sequence per context in %d cache slots,\n"
+              "a different query (different far needles) per request\n\n",
+              prop.name, B, B);
+  std::printf("%9s %6s %11s %12s %11s %9s %12s %11s %8s\n", "context", "batch", "attended/q", "sparse step",
+              "dense", "speed-up", "mass recall", "rel. error", "gen s");
+  constexpr int kReplays = 20;
+  cudaStream_t stream = nullptr;
+  HISPARSE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (const std::int64_t ctx : opt.contexts) {
+    const auto t0 = std::chrono::steady_clock::now();
+    workload::synthetic_options wo;
+    wo.context = ctx;
+    wo.shape = shape;
+    wo.num_queries = B;
+    wo.seed = opt.seed + static_cast<std::uint64_t>(ctx);
+    const auto w = workload::make_synthetic_workload<bf16>(wo);
+    const double gen_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+    mr::device_pool_resource device;
+    kv::paged_kv_cache_options co;
+    co.num_kv_heads = Hkv;
+    co.head_dim = D;
+    co.fine_slice = cfg.fine_slice;
+    co.coarse_block = cfg.coarse_block;
+    co.max_sequences = B;
+    co.max_context = ctx;
+    kv::paged_kv_cache<bf16, mr::device_pool_resource> cache(device, co);
+    device_array<bf16> k(w.keys.size()), v(w.values.size());
+    k.upload(w.keys.data(), w.keys.size());
+    v.upload(w.values.data(), w.values.size());
+    std::vector<std::int32_t> slots;
+    for (int b = 0; b < B; ++b) {
+      int slot = 0;
+      throw_if_error(cache.add_sequence(ctx, slot));
+      slots.push_back(slot);
+      throw_if_error(cache.append_async(0, std::vector<kv::append_segment>{{slot, 0, static_cast<std::int32_t>(ctx)}},
+                                        k.ptr, v.ptr, stream));
+    }
+    device_array<std::int32_t> d_slots(slots.size());
+    d_slots.upload(slots.data(), slots.size());
+    const std::size_t rows = static_cast<std::size_t>(B) * Hq;
+    device_array<bf16> q(rows * D), out_sparse(rows * D), out_dense(rows * D);
+    q.upload(w.queries.data(), rows * D);  // query i of the workload is request i's, at position T - 1
+    device_array<float> lse_sparse(rows), lse_dense(rows);
+
+    decode_step_arguments<bf16> a;
+    a.queries = q.ptr;
+    a.slots = d_slots.ptr;
+    a.batch = B;
+    a.num_q_heads = Hq;
+    a.cache = cache.ref();
+    hierarchical_decode<bf16> sparse(cfg);
+    dense_decode<bf16> dense;
+    a.out = out_sparse.ptr;
+    a.lse = lse_sparse.ptr;
+    std::size_t sparse_bytes = 0, dense_bytes = 0;
+    throw_if_error(sparse.workspace_bytes(a, sparse_bytes));
+    void* sparse_ws = device.allocate(sparse_bytes, stream);
+    throw_if_error(sparse.plan(a, sparse_ws, sparse_bytes, stream));
+    a.out = out_dense.ptr;
+    a.lse = lse_dense.ptr;
+    throw_if_error(dense.workspace_bytes(a, dense_bytes));
+    void* dense_ws = device.allocate(dense_bytes, stream);
+    throw_if_error(dense.plan(a, dense_ws, dense_bytes, stream));
+
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    HISPARSE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    for (int i = 0; i < kReplays; ++i) throw_if_error(sparse.run(stream));
+    HISPARSE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    HISPARSE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    const double sparse_s =
+        time_median(stream, 11, [&] { HISPARSE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }) / kReplays;
+    const double dense_s = time_median(stream, 5, [&] { throw_if_error(dense.run(stream)); });
+    HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
+
+    const auto os = out_sparse.download(rows * D), od = out_dense.download(rows * D);
+    const auto ls = lse_sparse.download(rows), ld = lse_dense.download(rows);
+    std::vector<double> sparse_out, dense_out;
+    for (std::size_t i = 0; i < os.size(); ++i) {
+      sparse_out.push_back(to_double(os[i]));
+      dense_out.push_back(to_double(od[i]));
+    }
+    double recall = 0;
+    for (std::size_t i = 0; i < rows; ++i) recall += std::exp(static_cast<double>(ls[i]) - ld[i]);
+    recall /= static_cast<double>(rows);
+    std::vector<std::int32_t> num(static_cast<std::size_t>(B) * Hkv), ws(static_cast<std::size_t>(B));
+    HISPARSE_CUDA_CHECK(cudaMemcpy(num.data(), sparse.num_slices(), num.size() * 4, cudaMemcpyDeviceToHost));
+    HISPARSE_CUDA_CHECK(cudaMemcpy(ws.data(), sparse.window_begin(), ws.size() * 4, cudaMemcpyDeviceToHost));
+    double attended = 0;
+    for (int b = 0; b < B; ++b)
+      for (int h = 0; h < Hkv; ++h)
+        attended += static_cast<double>(num[static_cast<std::size_t>(b * Hkv + h)]) * cfg.fine_slice +
+                    static_cast<double>(ctx - ws[static_cast<std::size_t>(b)]);
+    attended /= static_cast<double>(B * Hkv);
+    std::printf("%9lld %6d %11.0f %9.1f us %8.0f us %8.1fx %12.4f %11.2e %8.1f\n", static_cast<long long>(ctx), B,
+                attended, sparse_s * 1e6, dense_s * 1e6, dense_s / sparse_s, recall,
+                relative_error(sparse_out, dense_out), gen_s);
+    HISPARSE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    HISPARSE_CUDA_CHECK(cudaGraphDestroy(graph));
+    device.deallocate(sparse_ws, sparse_bytes, stream);
+    device.deallocate(dense_ws, dense_bytes, stream);
+    HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  using namespace hisparse;
+  options opt = parse(argc, argv);
+  const preset_registry presets;
+  const SparseAttentionConfig cfg = presets.get(presets.find(opt.preset));
+  const attention_shape shape{32, 8, 128};  // the 7B GQA model of the reference deployment
+  const bool gpu = !opt.cpu && have_gpu();
+  if (opt.contexts.empty())
+    opt.contexts = gpu ? std::vector<std::int64_t>{32768, 131072, 262144} : std::vector<std::int64_t>{8192, 32768, 131072};
+  if (opt.batch < 1) throw error(status::invalid_argument, "--batch must be >= 1");
+
+  std::printf("HiSparse demo: decode, %d query heads / %d KV heads, head_dim %d, bf16 KV\n",
+              shape.num_q_heads, shape.num_kv_heads, shape.head_dim);
+  std::printf("preset '%s': window %d, blocks %d (keep %d), slices %d (keep %d)\n", opt.preset.c_str(),
+              cfg.window, cfg.coarse_block, cfg.top_k_coarse, cfg.fine_slice, cfg.top_k_fine);
+  if (gpu)
+    run_gpu(opt, cfg, shape);
+  else
+    run_cpu(opt, cfg, shape);
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "hisparse_demo: %s\n", e.what());
+  return 1;
+}

@@ -1,0 +1,280 @@
+#pragma once
+// The composed decode step (DESIGN.md section 2): coarse filter -> fine
+// filter -> compact slice lists -> attention, as two stage components with the
+// same protocol (can_implement, workspace, run):
+//   launch 1: select::select_decode_async (coarse + fine, one launch; a
+//             cluster of CTAs per (sequence, KV head) on sm_90);
+//   launch 2: attention::decode_attention_async over the kept slices and the
+//             window (split across CTAs, merged by the last one in).
+// `plan` sizes and carves the caller's workspace and zeroes the merge
+// counters (stream-ordered, no device sync); `run` only launches, so a whole
+// step captures into a CUDA graph and replays with new queries, slots and
+// lengths in the same device buffers.
+//
+// `hierarchical_decode<T, Tile>` takes the config at run time (the kernels
+// take the config's sizes as parameters: the numbers of blocks and slices
+// vary per sequence anyway, so compiling them in would buy nothing);
+// `hierarchical_attention<Selection, Tile, T>` fixes it at compile time from
+// a selection policy and checks it there.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "hisparse/attention/decode.cuh"
+#include "hisparse/config.hpp"
+#include "hisparse/core/status.hpp"
+#include "hisparse/kv/paged_kv_ref.hpp"
+#include "hisparse/policy/selection_policy.hpp"
+#include "hisparse/select/decode_selection.cuh"
+
+namespace hisparse {
+
+/// One decode step of a batch: the queries, which cache slot each row is,
+/// and where the output (and optionally the log-sum-exp) goes.
+template <class T>
+struct decode_step_arguments {
+  const T* queries = nullptr;           ///< [batch][num_q_heads][head_dim]
+  const std::int32_t* slots = nullptr;  ///< [batch], device
+  int batch = 0;
+  int layer = 0;
+  int num_q_heads = 0;
+  kv::paged_kv_ref<T> cache{};
+  T* out = nullptr;      ///< [batch][num_q_heads][head_dim]
+  float* lse = nullptr;  ///< optional [batch][num_q_heads], natural log
+  float softmax_scale = 0.0f;  ///< 0: 1 / sqrt(head_dim)
+};
+
+template <class T, tile_policy Tile = attention::kDecodeTile>
+class hierarchical_decode {
+ public:
+  using arguments = decode_step_arguments<T>;
+
+  explicit hierarchical_decode(const SparseAttentionConfig& cfg) : cfg_(cfg) {}
+
+  [[nodiscard]] const SparseAttentionConfig& config() const { return cfg_; }
+
+  [[nodiscard]] status can_implement(const arguments& a) const {
+    HISPARSE_TRY(check(cfg_));
+    HISPARSE_TRY(select::can_implement_decode_selection(cfg_, selection_arguments(a)));
+    // The selection buffers live in the workspace, so the shape checks run
+    // on the dense form of the same arguments.
+    return attention::can_implement_decode_attention(attention_arguments(a, nullptr, nullptr, nullptr));
+  }
+
+  /// Workspace bytes for `a` on the current device (queries the SM count).
+  [[nodiscard]] status workspace_bytes(const arguments& a, std::size_t& bytes) const {
+    layout l;
+    HISPARSE_TRY(make_layout(a, l));
+    bytes = l.total;
+    return status::success;
+  }
+
+  /// Checks `a`, lays out `workspace` (at least workspace_bytes), and zeroes
+  /// the merge counters on `stream`. Keeps `a`: later runs read the same
+  /// device buffers (refill them between runs or replays).
+  [[nodiscard]] status plan(const arguments& a, void* workspace, std::size_t bytes, cudaStream_t stream = nullptr) {
+    HISPARSE_TRY(can_implement(a));
+    layout l;
+    HISPARSE_TRY(make_layout(a, l));
+    if (workspace == nullptr || bytes < l.total)
+      return fail(status::invalid_argument, "hierarchical decode: workspace of " + std::to_string(bytes) +
+                                                " bytes is smaller than the " + std::to_string(l.total) + " required");
+    bind(a, l, workspace);
+    HISPARSE_TRY(attention::initialize_decode_attention_workspace(attention_plan_, attention_workspace_, stream));
+    workspace_ = workspace;
+    capacity_ = bytes;
+    planned_batch_ = a.batch;
+    planned_ = true;
+    return status::success;
+  }
+
+  /// Points a planned operator at another batch of at most the planned size
+  /// (new queries, slots, outputs) in the same workspace: host work only, no
+  /// stream operation. The counters `plan` zeroed stay valid (they sit at the
+  /// front of the workspace and every run leaves them zero).
+  [[nodiscard]] status rebind(const arguments& a) {
+    if (!planned_) return fail(status::invalid_argument, "hierarchical decode: rebind before plan");
+    if (a.batch > planned_batch_)
+      return fail(status::invalid_argument, "hierarchical decode: batch " + std::to_string(a.batch) +
+                                                " exceeds the planned " + std::to_string(planned_batch_));
+    HISPARSE_TRY(can_implement(a));
+    layout l;
+    HISPARSE_TRY(make_layout(a, l));
+    if (l.total > capacity_) return fail(status::invalid_argument, "hierarchical decode: workspace too small");
+    bind(a, l, workspace_);
+    return status::success;
+  }
+
+  /// Both launches, nothing else: capturable.
+  [[nodiscard]] status run(cudaStream_t stream = nullptr) const {
+    if (!planned_) return fail(status::invalid_argument, "hierarchical decode: run before plan");
+    HISPARSE_TRY(select::select_decode_async(cfg_, selection_arguments(args_), selection_output(), stream));
+    return attention::decode_attention_async<T, Tile>(
+        attention_plan_, attention_arguments(args_, kept_slices_, num_slices_, window_begin_), attention_workspace_,
+        stream);
+  }
+
+  /// The selection of the last run, on the device: [batch][kv_heads][top_k_fine]
+  /// ascending slice ids padded with -1, their counts, and each row's window start.
+  [[nodiscard]] const std::int32_t* kept_slices() const { return kept_slices_; }
+  [[nodiscard]] const std::int32_t* num_slices() const { return num_slices_; }
+  [[nodiscard]] const std::int32_t* window_begin() const { return window_begin_; }
+  [[nodiscard]] const attention::decode_attention_plan& attention_plan() const { return attention_plan_; }
+
+ private:
+  struct layout {
+    std::size_t attention = 0, kept = 0, num = 0, window = 0, total = 0;
+    attention::decode_attention_plan attention_plan;
+  };
+
+  /// [attention workspace (merge counters first) | kept slices | counts | windows]
+  status make_layout(const arguments& a, layout& l) const {
+    int sms = 0;
+    HISPARSE_TRY(attention::current_device_sms(sms));
+    HISPARSE_TRY(attention::plan_decode_attention(attention_arguments(a, nullptr, nullptr, nullptr), sms,
+                                                  l.attention_plan));
+    auto align = [](std::size_t x) { return (x + 255) / 256 * 256; };
+    const std::size_t rows = static_cast<std::size_t>(a.batch) * a.cache.kv_heads;
+    l.attention = 0;
+    l.kept = align(l.attention_plan.workspace_bytes);
+    l.num = l.kept + align(rows * cfg_.top_k_fine * sizeof(std::int32_t));
+    l.window = l.num + align(rows * sizeof(std::int32_t));
+    l.total = l.window + align(static_cast<std::size_t>(a.batch) * sizeof(std::int32_t));
+    return status::success;
+  }
+
+  void bind(const arguments& a, const layout& l, void* workspace) {
+    auto* base = static_cast<char*>(workspace);
+    attention_workspace_ = base + l.attention;
+    kept_slices_ = reinterpret_cast<std::int32_t*>(base + l.kept);
+    num_slices_ = reinterpret_cast<std::int32_t*>(base + l.num);
+    window_begin_ = reinterpret_cast<std::int32_t*>(base + l.window);
+    attention_plan_ = l.attention_plan;
+    args_ = a;
+  }
+
+  select::decode_selection_arguments<T> selection_arguments(const arguments& a) const {
+    select::decode_selection_arguments<T> s;
+    s.queries = a.queries;
+    s.slots = a.slots;
+    s.batch = a.batch;
+    s.layer = a.layer;
+    s.num_q_heads = a.num_q_heads;
+    s.set_cache(a.cache);
+    return s;
+  }
+
+  select::decode_selection_output selection_output() const {
+    return select::decode_selection_output{kept_slices_, num_slices_, window_begin_};
+  }
+
+  attention::decode_attention_arguments<T> attention_arguments(const arguments& a, const std::int32_t* kept,
+                                                               const std::int32_t* num,
+                                                               const std::int32_t* window) const {
+    attention::decode_attention_arguments<T> d;
+    d.queries = a.queries;
+    d.slots = a.slots;
+    d.batch = a.batch;
+    d.layer = a.layer;
+    d.num_q_heads = a.num_q_heads;
+    d.cache = a.cache;
+    d.kept_slices = kept;
+    d.num_slices = num;
+    d.window_begin = window;
+    d.top_k_fine = cfg_.top_k_fine;
+    d.max_items = std::min(attention::sparse_max_items(cfg_), a.cache.max_slices);
+    d.softmax_scale = a.softmax_scale;
+    d.out = a.out;
+    d.lse = a.lse;
+    return d;
+  }
+
+  SparseAttentionConfig cfg_;
+  arguments args_{};
+  attention::decode_attention_plan attention_plan_{};
+  std::int32_t* kept_slices_ = nullptr;
+  std::int32_t* num_slices_ = nullptr;
+  std::int32_t* window_begin_ = nullptr;
+  void* attention_workspace_ = nullptr;
+  void* workspace_ = nullptr;
+  std::size_t capacity_ = 0;
+  int planned_batch_ = 0;
+  bool planned_ = false;
+};
+
+/// The composed operator with its selection fixed at compile time: an
+/// invalid policy does not compile (selection_policy's static check).
+template <class Selection = default_selection_policy, tile_policy Tile = attention::kDecodeTile,
+          class T = __nv_bfloat16>
+class hierarchical_attention : public hierarchical_decode<T, Tile> {
+  static_assert(is_selection_policy<Selection>::value, "hierarchical_attention takes a selection_policy");
+  static_assert(valid_tile_policy_v<Tile>);
+
+ public:
+  using selection = Selection;
+  static constexpr SparseAttentionConfig config_value = Selection::config;
+  hierarchical_attention() : hierarchical_decode<T, Tile>(Selection::config) {}
+};
+
+/// The dense baseline with the same plan/run protocol: the attention kernel
+/// with every stored token kept (no selection launch).
+template <class T, tile_policy Tile = attention::kDecodeTile>
+class dense_decode {
+ public:
+  using arguments = decode_step_arguments<T>;
+
+  [[nodiscard]] status workspace_bytes(const arguments& a, std::size_t& bytes) const {
+    attention::decode_attention_plan p;
+    HISPARSE_TRY(plan_for(a, p));
+    bytes = std::max<std::size_t>(p.workspace_bytes, 1);
+    return status::success;
+  }
+
+  [[nodiscard]] status plan(const arguments& a, void* workspace, std::size_t bytes, cudaStream_t stream = nullptr) {
+    HISPARSE_TRY(plan_for(a, plan_));
+    if (plan_.workspace_bytes > 0 && (workspace == nullptr || bytes < plan_.workspace_bytes))
+      return fail(status::invalid_argument, "dense decode: workspace too small");
+    args_ = dense_arguments(a);
+    workspace_ = workspace;
+    HISPARSE_TRY(attention::initialize_decode_attention_workspace(plan_, workspace_, stream));
+    planned_ = true;
+    return status::success;
+  }
+
+  [[nodiscard]] status run(cudaStream_t stream = nullptr) const {
+    if (!planned_) return fail(status::invalid_argument, "dense decode: run before plan");
+    return attention::decode_attention_async<T, Tile>(plan_, args_, workspace_, stream);
+  }
+
+ private:
+  static attention::decode_attention_arguments<T> dense_arguments(const arguments& a) {
+    attention::decode_attention_arguments<T> d;
+    d.queries = a.queries;
+    d.slots = a.slots;
+    d.batch = a.batch;
+    d.layer = a.layer;
+    d.num_q_heads = a.num_q_heads;
+    d.cache = a.cache;
+    d.max_items = a.cache.max_slices;
+    d.softmax_scale = a.softmax_scale;
+    d.out = a.out;
+    d.lse = a.lse;
+    return d;
+  }
+  static status plan_for(const arguments& a, attention::decode_attention_plan& p) {
+    int sms = 0;
+    HISPARSE_TRY(attention::current_device_sms(sms));
+    return attention::plan_decode_attention(dense_arguments(a), sms, p);
+  }
+
+  attention::decode_attention_arguments<T> args_{};
+  attention::decode_attention_plan plan_{};
+  void* workspace_ = nullptr;
+  bool planned_ = false;
+};
+
+}  // namespace hisparse
