@@ -14,6 +14,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
 cd "$root"
 summary=()
+echo "== $(date +%T) configure and build =="
 cmake --preset h200 -DHISPARSE_BUILD_TESTS=ON >/dev/null || exit 1
 if [ -n "${HISPARSE_TARGETS:-}" ]; then
   # shellcheck disable=SC2086
@@ -25,7 +26,9 @@ fi
 # Only JSON, the sanitizer digest and this script's own output go to OUT_DIR
 # (a lent GPU host returns few files); the rest stays in a scratch folder.
 scratch=$(mktemp -d)
-ctest --preset h200 -j 4 2>&1 | tee "$scratch/ctest-gpu.log"
+echo "== $(date +%T) built; GPU tests =="
+ctest --preset h200 -j 4 --timeout 240 2>&1 | tee "$scratch/ctest-gpu.log"
+echo "== $(date +%T) benchmarks =="
 summary+=("ctest -L gpu: $(grep -E 'tests passed|tests failed' "$scratch/ctest-gpu.log" | tail -1)")
 
 # HISPARSE_BENCH=regex limits the benchmark programs (default: all of them).
@@ -63,6 +66,7 @@ if [[ bench_topk =~ ${HISPARSE_BENCH:-.} ]] && [ -x build/h200/bench/bench_topk 
   fi
 fi
 
+echo "== $(date +%T) sanitizers =="
 # Sanitizers last: the slowest part, and the results above are already saved.
 # compute-sanitizer over every test binary that has GPU tests.
 for exe in build/h200/test/test_gpu_*; do

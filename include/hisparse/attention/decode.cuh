@@ -205,7 +205,9 @@ __global__ void __launch_bounds__(Warps * 32) decode_attention_kernel(const __gr
     const T* ktile = page + h * tile + d0;
     const T* vtile = page + (c.kv_heads + h) * tile + d0;
     const int rows = min(F, len - slice * F);
-    for (int r0 = reader; r0 < rows; r0 += kReaders * Rows) {
+    // The trip count is the same for every thread (the readers of a warp
+    // shuffle together); rows past the end are masked.
+    for (int r0 = reader; r0 - reader < rows; r0 += kReaders * Rows) {
       uint4 kraw[Rows], vraw[Rows];
 #pragma unroll
       for (int u = 0; u < Rows; ++u) {
