@@ -324,6 +324,8 @@ TEST_CASE("decode step replays from a CUDA graph with new queries and tokens", "
   INFO("seed " << seed);
   mr::device_pool_resource device;
   auto p = test::make_problem<__nv_bfloat16>({32, 8, 128}, SparseAttentionConfig{}, {40000, 70001, 300}, seed);
+  const test::stream_guard guard;  // declared before the cache, destroyed after it
+  const cudaStream_t stream = guard.stream;
   kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, test::cache_options(p, 80000));
   const auto slots = test::fill(p, cache);
   const int B = 3, Hq = 32, D = 128;
@@ -342,8 +344,6 @@ TEST_CASE("decode step replays from a CUDA graph with new queries and tokens", "
   std::size_t bytes = 0;
   REQUIRE(op.workspace_bytes(a, bytes) == status::success);
   dev<char> ws(bytes);
-  cudaStream_t stream = nullptr;
-  HISPARSE_CUDA_CHECK(cudaStreamCreate(&stream));
   REQUIRE(op.plan(a, ws.ptr, bytes, stream) == status::success);
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
@@ -389,7 +389,6 @@ TEST_CASE("decode step replays from a CUDA graph with new queries and tokens", "
   }
   HISPARSE_CUDA_CHECK(cudaGraphExecDestroy(exec));
   HISPARSE_CUDA_CHECK(cudaGraphDestroy(graph));
-  HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 TEST_CASE("operator adapter: init, forward by preset id, release", "[gpu][attention]") {

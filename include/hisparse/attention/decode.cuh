@@ -84,6 +84,11 @@ struct decode_attention_plan {
 namespace detail {
 
 inline constexpr int kMaxHeadsPerCta = 8;
+/// Most CTAs along one (sequence, KV head): the merge keeps one weight per
+/// split and head in shared memory.
+inline constexpr int kMaxSplits = 64;
+/// Page pointers a CTA fetches ahead, in parallel, before walking them.
+inline constexpr int kPageChunk = 64;
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
 
@@ -139,7 +144,10 @@ __global__ void __launch_bounds__(Warps * 32) decode_attention_kernel(const __gr
   __shared__ reader_state rs;
   __shared__ float racc[kReaders][GT][D];
   __shared__ bool last_cta;
-  __shared__ int active_splits_shared;
+  __shared__ const T* chunk_pages[kPageChunk];
+  __shared__ std::int32_t chunk_slices[kPageChunk];
+  __shared__ float merge_w[GT][kMaxSplits];
+  __shared__ float merge_lse[GT];
 
   const auto& a = p.a;
   const auto& c = a.cache;
@@ -197,65 +205,78 @@ __global__ void __launch_bounds__(Warps * 32) decode_attention_kernel(const __gr
     for (int e = 0; e < kVec; ++e) acc[g][e] = 0.0f;
   }
 
-  const int item_end = min(items, (split + 1) * p.slices_per_split);
+  const int item_begin = split * p.slices_per_split;
+  const int item_end = min(items, item_begin + p.slices_per_split);
   const std::int64_t tile = std::int64_t{F} * D;
-  for (int item = split * p.slices_per_split; item < item_end; ++item) {
-    const std::int32_t slice = slice_of_item(kept, n_kept, first_window, item);
-    const T* page = c.page_table[c.table_index(seq, a.layer, slice)];
-    const T* ktile = page + h * tile + d0;
-    const T* vtile = page + (c.kv_heads + h) * tile + d0;
-    const int rows = min(F, len - slice * F);
-    // The trip count is the same for every thread (the readers of a warp
-    // shuffle together); rows past the end are masked.
-    for (int r0 = reader; r0 - reader < rows; r0 += kReaders * Rows) {
-      uint4 kraw[Rows], vraw[Rows];
+  for (int chunk = item_begin; chunk < item_end; chunk += kPageChunk) {
+    // Fetch the chunk's slice ids and page pointers in parallel, so the walk
+    // below waits on K/V loads only, not on a page-table load per slice.
+    const int n = min(kPageChunk, item_end - chunk);
+    __syncthreads();  // the previous chunk is no longer read
+    for (int i = threadIdx.x; i < n; i += kThreads) {
+      const std::int32_t slice = slice_of_item(kept, n_kept, first_window, chunk + i);
+      chunk_slices[i] = slice;
+      chunk_pages[i] = c.page_table[c.table_index(seq, a.layer, slice)];
+    }
+    __syncthreads();
+    for (int j = 0; j < n; ++j) {
+      const std::int32_t slice = chunk_slices[j];
+      const T* page = chunk_pages[j];
+      const T* ktile = page + h * tile + d0;
+      const T* vtile = page + (c.kv_heads + h) * tile + d0;
+      const int rows = min(F, len - slice * F);
+      // The trip count is the same for every thread (the readers of a warp
+      // shuffle together); rows past the end are masked.
+      for (int r0 = reader; r0 - reader < rows; r0 += kReaders * Rows) {
+        uint4 kraw[Rows], vraw[Rows];
 #pragma unroll
-      for (int u = 0; u < Rows; ++u) {
-        const int r = r0 + u * kReaders;
-        if (r < rows) {
-          kraw[u] = __ldg(reinterpret_cast<const uint4*>(ktile + std::int64_t{r} * D));
-          vraw[u] = __ldg(reinterpret_cast<const uint4*>(vtile + std::int64_t{r} * D));
+        for (int u = 0; u < Rows; ++u) {
+          const int r = r0 + u * kReaders;
+          if (r < rows) {
+            kraw[u] = __ldg(reinterpret_cast<const uint4*>(ktile + std::int64_t{r} * D));
+            vraw[u] = __ldg(reinterpret_cast<const uint4*>(vtile + std::int64_t{r} * D));
+          }
         }
-      }
-      float s[Rows][GT];
+        float s[Rows][GT];
 #pragma unroll
-      for (int u = 0; u < Rows; ++u) {
-        float k[kVec];
-        if (r0 + u * kReaders < rows) unpack<T, kVec>(kraw[u], k);
+        for (int u = 0; u < Rows; ++u) {
+          float k[kVec];
+          if (r0 + u * kReaders < rows) unpack<T, kVec>(kraw[u], k);
+#pragma unroll
+          for (int g = 0; g < GT; ++g) {
+            float dot = 0.0f;
+            if (r0 + u * kReaders < rows)
+#pragma unroll
+              for (int e = 0; e < kVec; ++e) dot = fmaf(q[g][e], k[e], dot);
+#pragma unroll
+            for (int off = kLanes / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, off);
+            s[u][g] = r0 + u * kReaders < rows ? dot : kNegInf;
+          }
+        }
 #pragma unroll
         for (int g = 0; g < GT; ++g) {
-          float dot = 0.0f;
-          if (r0 + u * kReaders < rows)
+          float mx = m[g];
 #pragma unroll
-            for (int e = 0; e < kVec; ++e) dot = fmaf(q[g][e], k[e], dot);
+          for (int u = 0; u < Rows; ++u) mx = fmaxf(mx, s[u][g]);
+          if (mx == kNegInf) continue;  // every row masked so far (NaN scores propagate)
+          const float corr = exp2f(m[g] - mx);
+          l[g] *= corr;
 #pragma unroll
-          for (int off = kLanes / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, off);
-          s[u][g] = r0 + u * kReaders < rows ? dot : kNegInf;
+          for (int e = 0; e < kVec; ++e) acc[g][e] *= corr;
+          m[g] = mx;
         }
-      }
 #pragma unroll
-      for (int g = 0; g < GT; ++g) {
-        float mx = m[g];
+        for (int u = 0; u < Rows; ++u) {
+          if (r0 + u * kReaders >= rows) continue;
+          float v[kVec];
+          unpack<T, kVec>(vraw[u], v);
 #pragma unroll
-        for (int u = 0; u < Rows; ++u) mx = fmaxf(mx, s[u][g]);
-        if (mx == kNegInf) continue;  // every row masked so far (NaN scores propagate)
-        const float corr = exp2f(m[g] - mx);
-        l[g] *= corr;
+          for (int g = 0; g < GT; ++g) {
+            const float pr = exp2f(s[u][g] - m[g]);
+            l[g] += pr;
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) acc[g][e] *= corr;
-        m[g] = mx;
-      }
-#pragma unroll
-      for (int u = 0; u < Rows; ++u) {
-        if (r0 + u * kReaders >= rows) continue;
-        float v[kVec];
-        unpack<T, kVec>(vraw[u], v);
-#pragma unroll
-        for (int g = 0; g < GT; ++g) {
-          const float pr = exp2f(s[u][g] - m[g]);
-          l[g] += pr;
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) acc[g][e] = fmaf(pr, v[e], acc[g][e]);
+            for (int e = 0; e < kVec; ++e) acc[g][e] = fmaf(pr, v[e], acc[g][e]);
+          }
         }
       }
     }
@@ -306,25 +327,34 @@ __global__ void __launch_bounds__(Warps * 32) decode_attention_kernel(const __gr
   if (threadIdx.x == 0) {
     const unsigned done = atomicAdd(counter, 1u);
     last_cta = done + 1 == static_cast<unsigned>(active);
-    active_splits_shared = active;
   }
   __syncthreads();
   if (!last_cta) return;
   __threadfence();
+  // Weights first (one parallel round of loads), then every output element
+  // as a weighted sum whose loads are independent of each other.
+  for (int i = threadIdx.x; i < heads * active; i += kThreads)
+    merge_w[i / active][i % active] = __ldcg(p.partial_lse + (q_row0 + i / active) * p.splits + i % active);
+  __syncthreads();
+  if (threadIdx.x < heads) {
+    const int g = threadIdx.x;
+    float mx = kNegInf;
+    for (int sp = 0; sp < active; ++sp) mx = fmaxf(mx, merge_w[g][sp]);
+    float sum = 0.0f;
+    for (int sp = 0; sp < active; ++sp) sum += exp2f(merge_w[g][sp] - mx);
+    for (int sp = 0; sp < active; ++sp) merge_w[g][sp] = exp2f(merge_w[g][sp] - mx) / sum;
+    merge_lse[g] = mx + log2f(sum);
+  }
+  __syncthreads();
   for (int i = threadIdx.x; i < heads * D; i += kThreads) {
     const int g = i / D, d = i % D;
     const std::int64_t row = q_row0 + g;
-    const float* lse_row = p.partial_lse + row * p.splits;
-    float mx = kNegInf;
-    for (int sp = 0; sp < active_splits_shared; ++sp) mx = fmaxf(mx, __ldcg(lse_row + sp));
-    float sum = 0.0f, o = 0.0f;
-    for (int sp = 0; sp < active_splits_shared; ++sp) {
-      const float w = exp2f(__ldcg(lse_row + sp) - mx);
-      sum += w;
-      o += w * __ldcg(p.partial_out + (row * p.splits + sp) * D + d);
-    }
-    a.out[row * D + d] = from_float<T>(o / sum);
-    if (a.lse != nullptr && d == 0) a.lse[row] = (mx + log2f(sum)) * kLn2;
+    const float* part = p.partial_out + row * p.splits * D + d;
+    float o = 0.0f;
+#pragma unroll 8
+    for (int sp = 0; sp < active; ++sp) o = fmaf(merge_w[g][sp], __ldcg(part + std::int64_t{sp} * D), o);
+    a.out[row * D + d] = from_float<T>(o);
+    if (a.lse != nullptr && d == 0) a.lse[row] = merge_lse[g] * kLn2;
   }
   if (threadIdx.x == 0) *counter = 0;
 }
@@ -386,7 +416,8 @@ template <class T>
   constexpr int kCtasPerSm = 4;
   const std::int64_t per_split = std::int64_t{a.batch} * a.cache.kv_heads * plan.head_splits;
   const std::int64_t want = std::max<std::int64_t>(1, (std::int64_t{kCtasPerSm} * std::max(num_sms, 1) + per_split - 1) / per_split);
-  plan.slices_per_split = static_cast<int>(std::max<std::int64_t>(1, (a.max_items + want - 1) / want));
+  const std::int64_t splits_wanted = std::min<std::int64_t>(want, detail::kMaxSplits);
+  plan.slices_per_split = static_cast<int>(std::max<std::int64_t>(1, (a.max_items + splits_wanted - 1) / splits_wanted));
   plan.splits = (a.max_items + plan.slices_per_split - 1) / plan.slices_per_split;
   if (std::int64_t{a.cache.kv_heads} * plan.head_splits > 65535 || a.batch > 65535)
     return fail(status::unsupported, "decode attention: batch and KV heads are limited to 65535 (grid y and z)");

@@ -366,11 +366,18 @@ __global__ void __launch_bounds__(kSelectThreads) decode_selection_kernel(const 
         if (partial_last && r == blocks - 1) {
 #pragma unroll
           for (int i = 0; i < kPer; ++i) v[i] = 0.0f;
-          for (std::int32_t sl = r * spb; sl < far_slices; ++sl) {
-            float w[kPer];
-            load_lane<kPer>(slice_base + sl * head_stride + d0, w);
+          // Eight slices' loads in flight at a time; summed in slice order.
+          constexpr int kBatch = 8;
+          for (std::int32_t sl0 = r * spb; sl0 < far_slices; sl0 += kBatch) {
+            float w[kBatch][kPer];
 #pragma unroll
-            for (int i = 0; i < kPer; ++i) v[i] += w[i];
+            for (int j = 0; j < kBatch; ++j)
+              if (sl0 + j < far_slices) load_lane<kPer>(slice_base + (sl0 + j) * head_stride + d0, w[j]);
+#pragma unroll
+            for (int j = 0; j < kBatch; ++j)
+              if (sl0 + j < far_slices)
+#pragma unroll
+                for (int i = 0; i < kPer; ++i) v[i] += w[j][i];
           }
         } else {
           load_lane<kPer>(block_base + r * head_stride + d0, v);
