@@ -95,7 +95,14 @@ inline constexpr int kMaxSelectCandidates = kSelectThreads * kSelectKeysPerThrea
 inline constexpr int kFilterMaxCandidates = 1024;
 inline constexpr int kFilterMaxK = kSelectThreads / 2;
 /// CTAs of one thread-block cluster that share a (sequence, KV head) on sm_90.
-inline constexpr int kSelectCluster = 8;
+/// Four, not eight: at three CTAs per SM (the register bound below) an H200
+/// holds ~99 clusters of four at once, so B = 8 (64 clusters) runs in one
+/// wave; clusters of eight at two CTAs per SM measured 1.94 waves (Nsight
+/// Compute: 30 active clusters, 102 registers per thread).
+inline constexpr int kSelectCluster = 4;
+/// CTAs per SM the kernel is compiled for (at most 85 registers per thread;
+/// at four, 64 registers, it spilled 768 bytes per thread).
+inline constexpr int kSelectMinBlocksPerSm = 3;
 
 /// Byte offsets into the kernel's dynamic shared memory, sized from the
 /// config and the cache (host side, select_decode_async).
@@ -180,7 +187,7 @@ __device__ __forceinline__ void load_lane(const float* row, float (&v)[kPer]) {
 template <int D, int S, class Load, class ScaleOf, class Store>
 __device__ void score_rows(int count, const float* qsum, Load load, ScaleOf scale_of, Store store) {
   constexpr int kPer = D / 32;  // floats per lane: 2, 4 or 8
-  constexpr int kRowsInFlight = 4;
+  constexpr int kRowsInFlight = 32 / kPer;  // 128 bytes of loads in flight per lane
   constexpr int kStride = S * kSelectWarps;
   const int lane = threadIdx.x & 31;
   const int warp = static_cast<int>(cluster_ops<S>::rank()) * kSelectWarps + static_cast<int>(threadIdx.x / 32);
@@ -310,7 +317,7 @@ __device__ int compact_marked(const unsigned char* keep, int count, typename Sca
 /// all scores after a cluster barrier; all rank the blocks (identically), and
 /// CTA 0 ranks the slices and writes the outputs.
 template <class Q, int D, int S>
-__global__ void __launch_bounds__(kSelectThreads) decode_selection_kernel(const __grid_constant__ decode_params<Q> p) {
+__global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_selection_kernel(const __grid_constant__ decode_params<Q> p) {
   using block_select = block_topk<kSelectThreads, kSelectKeysPerThread>;
   using scan = cub::BlockScan<int, kSelectThreads>;
   using cluster = cluster_ops<S>;
