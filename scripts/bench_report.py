@@ -27,7 +27,9 @@ def main():
     topk = load(os.path.join(d, "bench_topk.json"))
     sel = load(os.path.join(d, "bench_select.json"))
     torch = load(os.path.join(d, "torch_topk.json"))
-    ctx = (kv or topk or sel or {}).get("context", {})
+    step = load(os.path.join(d, "bench_attention.json"))
+    torch_step = load(os.path.join(d, "torch_decode.json"))
+    ctx = (kv or topk or sel or step or {}).get("context", {})
     print(f"Measured {ctx.get('date', '?')} (benchmark clock).\n")
     if kv:
         print("## KV append (one layer, 8 KV heads x 128, bf16) vs in-run device-to-device copy\n")
@@ -69,6 +71,28 @@ def main():
         for b in rows(sel, "BM_decode_selection"):
             print(f"| {b['name'].split('/iterations')[0]} | {b['replay_us']:.2f} | {b['eager_us']:.2f} | "
                   f"{b['MB_read']:.2f} | {b['GBps']:.0f} |")
+
+        print()
+    if step:
+        print("## Decode step (selection + attention), 32/8 heads, head_dim 128, bf16; graph replay\n")
+        print("| benchmark | step us | selection us | attention us | dense us | x dense | attention GB/s |"
+              " % of copy | dense % of copy | tokens/query |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for b in rows(step, "BM_decode_step"):
+            print(f"| {b['name'].split('/iterations')[0]} | {b['step_us']:.1f} | {b['selection_us']:.1f} | "
+                  f"{b['attention_us']:.1f} | {b['dense_us']:.0f} | {b['speedup_vs_dense']:.1f} | "
+                  f"{b['attention_GBps']:.0f} | {100 * b['attention_of_copy']:.1f} | "
+                  f"{100 * b['dense_of_copy']:.1f} | {b['tokens_per_query']:.0f} |")
+        if torch_step:
+            r = torch_step["results"]
+            ours = next((b for b in rows(step, "BM_decode_step/B:8/T:262144/topk:16")), None)
+            print("\nPyTorch on the same shape (B = 8, T = 256K), scripts/torch_decode.py:\n")
+            print("| PyTorch | eager us | graph us | HiSparse step us | x (graph) |")
+            print("|---|---:|---:|---:|---:|")
+            for name in ("dense", "hierarchical"):
+                x = f"{r[name]['graph_us'] / ours['step_us']:.1f}" if ours else "-"
+                print(f"| {name} | {r[name]['eager_us']:.1f} | {r[name]['graph_us']:.1f} | "
+                      f"{ours['step_us'] if ours else float('nan'):.1f} | {x} |")
 
 
 if __name__ == "__main__":

@@ -45,15 +45,6 @@ struct device_buffer {
   }
 };
 
-/// A stream that outlives whatever is declared after it (a cache remembers
-/// the stream of its last launch and waits on it when destroyed).
-struct stream_guard {
-  cudaStream_t stream = nullptr;
-  stream_guard() { HISPARSE_CUDA_CHECK(cudaStreamCreate(&stream)); }
-  ~stream_guard() { cudaStreamDestroy(stream); }
-  stream_guard(const stream_guard&) = delete;
-  stream_guard& operator=(const stream_guard&) = delete;
-};
 }  // namespace hisparse::test
 
 #define HISPARSE_REQUIRE_GPU()                                                  \

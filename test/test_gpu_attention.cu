@@ -324,9 +324,11 @@ TEST_CASE("decode step replays from a CUDA graph with new queries and tokens", "
   INFO("seed " << seed);
   mr::device_pool_resource device;
   auto p = test::make_problem<__nv_bfloat16>({32, 8, 128}, SparseAttentionConfig{}, {40000, 70001, 300}, seed);
-  const test::stream_guard guard;  // declared before the cache, destroyed after it
-  const cudaStream_t stream = guard.stream;
   kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, test::cache_options(p, 80000));
+  // Destroyed below, before the cache that appended on it: the cache must not
+  // touch the handle afterwards.
+  cudaStream_t stream = nullptr;
+  HISPARSE_CUDA_CHECK(cudaStreamCreate(&stream));
   const auto slots = test::fill(p, cache);
   const int B = 3, Hq = 32, D = 128;
   dev<std::int32_t> d_slots(std::vector<std::int32_t>(slots.begin(), slots.end()));
@@ -389,6 +391,7 @@ TEST_CASE("decode step replays from a CUDA graph with new queries and tokens", "
   }
   HISPARSE_CUDA_CHECK(cudaGraphExecDestroy(exec));
   HISPARSE_CUDA_CHECK(cudaGraphDestroy(graph));
+  HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 TEST_CASE("operator adapter: init, forward by preset id, release", "[gpu][attention]") {

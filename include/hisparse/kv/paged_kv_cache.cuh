@@ -9,7 +9,9 @@
 // wait for the previous one, so alternating streams cannot race on the
 // cache's scratch or page table. `free_sequence` hands pages back at once: do
 // not free a sequence while kernels that read it are still queued on a stream
-// other than the cache's.
+// other than the cache's. The cache keeps no stream handle past a call: it
+// orders later calls through an event it owns, and its destructor waits for
+// that event, so the streams it was used on may be destroyed before it.
 
 #include <algorithm>
 #include <cstdint>
@@ -350,7 +352,6 @@ class paged_kv_cache {
     HISPARSE_CUDA_TRY(cudaMemsetAsync(lengths_ + std::int64_t{slot} * opt_.num_layers, 0,
                                       sizeof(std::int32_t) * static_cast<std::size_t>(opt_.num_layers), stream));
     HISPARSE_CUDA_TRY(cudaEventRecord(last_launch_, stream));
-    last_stream_ = stream;
     s = slot_state{};
     return status::success;
   }
@@ -480,7 +481,6 @@ class paged_kv_cache {
       return st;
     }
     HISPARSE_CUDA_TRY(cudaEventRecord(last_launch_, stream));
-    last_stream_ = stream;
     // Commit host state only after a successful launch.
     std::size_t next = 0;
     for (std::size_t i = 0; i < segments.size(); ++i) {
@@ -527,7 +527,7 @@ class paged_kv_cache {
   void download(int slot, int layer, std::vector<T>& keys, std::vector<T>& values) const {
     const std::int64_t len = length(slot, layer);
     const int F = opt_.fine_slice, H = opt_.num_kv_heads, D = opt_.head_dim;
-    HISPARSE_CUDA_CHECK(cudaStreamSynchronize(last_stream_));
+    HISPARSE_CUDA_CHECK(cudaEventSynchronize(last_launch_));
     keys.assign(static_cast<std::size_t>(len * H * D), T{});
     values.assign(keys.size(), T{});
     const auto& pages = slots_[static_cast<std::size_t>(slot)].pages[static_cast<std::size_t>(layer)];
@@ -554,7 +554,7 @@ class paged_kv_cache {
     const std::int64_t slices = (len + opt_.fine_slice - 1) / opt_.fine_slice;
     const std::int64_t blocks = (len + opt_.coarse_block - 1) / opt_.coarse_block;
     const std::int64_t seq_layer = std::int64_t{slot} * opt_.num_layers + layer;
-    HISPARSE_CUDA_CHECK(cudaStreamSynchronize(last_stream_));
+    HISPARSE_CUDA_CHECK(cudaEventSynchronize(last_launch_));
     slice_sums.resize(static_cast<std::size_t>(slices * vec));
     block_sums.resize(static_cast<std::size_t>(blocks * vec));
     HISPARSE_CUDA_CHECK(cudaMemcpy(slice_sums.data(), slice_sums_ + seq_layer * max_slices_ * vec,
@@ -603,13 +603,18 @@ class paged_kv_cache {
   }
 
   [[nodiscard]] status order_after_last(cudaStream_t stream) {
-    if (stream != last_stream_) HISPARSE_CUDA_TRY(cudaStreamWaitEvent(stream, last_launch_, 0));
+    // Always, even on the same stream: a destroyed stream's handle may be
+    // reused by a new one, so handles are never compared.
+    HISPARSE_CUDA_TRY(cudaStreamWaitEvent(stream, last_launch_, 0));
     return status::success;
   }
 
   void release() noexcept {
+    // Wait for the last launch, then free on the default stream: the stream
+    // of that launch may already be destroyed (its handle is not used here).
+    if (last_launch_ != nullptr) (void)cudaEventSynchronize(last_launch_);
     auto give = [&](auto*& p, std::size_t bytes) {
-      if (p != nullptr) resource_->deallocate(p, bytes, last_stream_);
+      if (p != nullptr) resource_->deallocate(p, bytes, nullptr);
       p = nullptr;
     };
     give(page_table_, table_bytes_);
@@ -627,7 +632,6 @@ class paged_kv_cache {
   paged_kv_cache_options opt_;
   page_pool<Resource> pool_;
   cudaStream_t stream_ = nullptr;
-  cudaStream_t last_stream_ = nullptr;
   cudaEvent_t last_launch_ = nullptr;
   std::int32_t max_slices_ = 0, max_blocks_ = 0;
   std::size_t table_bytes_ = 0, slice_bytes_ = 0, block_bytes_ = 0, length_bytes_ = 0, counter_bytes_ = 0,
