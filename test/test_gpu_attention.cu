@@ -448,6 +448,60 @@ TEST_CASE("operator adapter: init, forward by preset id, release", "[gpu][attent
   CHECK(op.forward(f, nullptr) == status::invalid_argument);
 }
 
+TEST_CASE("operator adapter serves batches of every size up to the planned one, in any order", "[gpu][attention]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  mr::device_pool_resource device;
+  // Four sequences; batch rows point at them cyclically (rows may share a slot).
+  const auto base = test::make_problem<__nv_bfloat16>({32, 8, 128}, SparseAttentionConfig{}, {5000, 3000, 9000, 1}, seed);
+  kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, test::cache_options(base, 9000));
+  const auto slots4 = test::fill(base, cache);
+  constexpr int kMax = 16, Hq = 32, D = 128;
+  test::problem<__nv_bfloat16> rows{base.shape, base.cfg, {}, {}, {}, {}};
+  std::vector<int> slots;
+  workload::splitmix64 rng(seed + 7);
+  for (int r = 0; r < kMax; ++r) {
+    rows.lengths.push_back(base.lengths[r % 4]);
+    rows.keys.push_back(base.keys[r % 4]);
+    rows.values.push_back(base.values[r % 4]);
+    slots.push_back(slots4[r % 4]);
+  }
+  rows.queries.resize(static_cast<std::size_t>(kMax) * Hq * D);
+  for (auto& x : rows.queries) x = from_float<__nv_bfloat16>(static_cast<float>(rng.normal()));
+  dev<std::int32_t> d_slots(std::vector<std::int32_t>(slots.begin(), slots.end()));
+  dev<__nv_bfloat16> d_q(rows.queries), out(static_cast<std::size_t>(kMax) * Hq * D);
+  sparse_attention_op<__nv_bfloat16, mr::device_pool_resource> op;
+  decltype(op)::init_arguments in;
+  in.resource = &device;
+  in.cache = cache.ref();
+  in.max_batch = kMax;
+  in.num_q_heads = Hq;
+  REQUIRE(op.init(in) == status::success);
+  decltype(op)::forward_arguments f;
+  f.queries = d_q.ptr;
+  f.slots = d_slots.ptr;
+  f.out = out.ptr;
+  // Large -> small -> large: a smaller batch's partials must never land on
+  // the counters a larger one uses.
+  for (const int batch : {16, 8, 1, 16, 3, 16}) {
+    INFO("batch " << batch);
+    f.batch = batch;
+    out.poison(nullptr);
+    REQUIRE(op.forward(f, nullptr) == status::success);
+    HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto got = out.download();
+    test::problem<__nv_bfloat16> sub{rows.shape, rows.cfg, {}, {}, {}, {}};
+    sub.lengths.assign(rows.lengths.begin(), rows.lengths.begin() + batch);
+    sub.keys.assign(rows.keys.begin(), rows.keys.begin() + batch);
+    sub.values.assign(rows.values.begin(), rows.values.begin() + batch);
+    sub.queries.assign(rows.queries.begin(), rows.queries.begin() + static_cast<std::size_t>(batch) * Hq * D);
+    const auto direct = run_step(sub, cache, std::vector<int>(slots.begin(), slots.begin() + batch));
+    for (std::size_t i = 0; i < direct.out.size(); ++i) REQUIRE(to_double(got[i]) == direct.out[i]);
+    if (batch == 3) check_against_fp64(sub, direct, false);
+  }
+}
+
 TEST_CASE("decode attention rejects bad input before launching", "[gpu][attention][errors]") {
   HISPARSE_REQUIRE_GPU();
   mr::device_pool_resource device;

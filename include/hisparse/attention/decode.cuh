@@ -72,13 +72,22 @@ struct decode_attention_arguments {
 
 /// Launch shape and workspace of a decode attention; `plan_decode_attention`
 /// fills it on the host without touching the device's queues.
+///
+/// Workspace layout: [merge counters | partial outputs | partial LSEs]. The
+/// counters are always there, sized for `counter_batch` (at least the batch),
+/// so a workspace planned and initialized for a batch serves any smaller
+/// batch planned with the same counter_batch: the counters sit at the same
+/// place, zeroed once, and every run leaves them zero.
 struct decode_attention_plan {
   int heads_per_cta = 0;     ///< query heads of a group one CTA serves (power of two, <= 8)
   int head_splits = 0;       ///< CTAs across one group: ceil(group / heads_per_cta)
   int splits = 0;            ///< CTAs along the slices of one (sequence, KV head)
   int slices_per_split = 0;
-  std::size_t partial_offset = 0, lse_offset = 0, counter_offset = 0;
-  std::size_t workspace_bytes = 0;  ///< 0 when splits == 1
+  // The arguments' shape the plan was made for (checked at launch).
+  int batch = 0, num_q_heads = 0, kv_heads = 0, head_dim = 0, counter_batch = 0;
+  std::int32_t max_items = 0;
+  std::size_t counter_offset = 0, counter_bytes = 0, partial_offset = 0, lse_offset = 0;
+  std::size_t workspace_bytes = 0;
 };
 
 namespace detail {
@@ -413,10 +422,12 @@ template <class T>
 }
 
 /// Launch shape for `a` on a GPU with `num_sms` multiprocessors: one wave of
-/// CTAs (min_blocks_per_sm per SM), never fewer than one slice per CTA, at most 64 splits.
+/// CTAs (min_blocks_per_sm per SM), never fewer than one slice per CTA, at
+/// most 64 splits. `counter_batch` (default: a.batch) sizes the merge
+/// counters for the largest batch the workspace will serve.
 template <class T>
 [[nodiscard]] status plan_decode_attention(const decode_attention_arguments<T>& a, int num_sms,
-                                           decode_attention_plan& plan) {
+                                           decode_attention_plan& plan, int counter_batch = 0) {
   HISPARSE_TRY(can_implement_decode_attention(a));
   const int group = a.num_q_heads / a.cache.kv_heads;
   plan.heads_per_cta = 1;
@@ -432,15 +443,21 @@ template <class T>
   plan.splits = (a.max_items + plan.slices_per_split - 1) / plan.slices_per_split;
   if (std::int64_t{a.cache.kv_heads} * plan.head_splits > 65535 || a.batch > 65535)
     return fail(status::unsupported, "decode attention: batch and KV heads are limited to 65535 (grid y and z)");
-  plan.partial_offset = plan.lse_offset = plan.counter_offset = plan.workspace_bytes = 0;
+  plan.batch = a.batch;
+  plan.num_q_heads = a.num_q_heads;
+  plan.kv_heads = a.cache.kv_heads;
+  plan.head_dim = a.cache.head_dim;
+  plan.max_items = a.max_items;
+  plan.counter_batch = std::max(counter_batch, a.batch);
+  auto align = [](std::size_t x) { return (x + 255) / 256 * 256; };
+  const std::size_t rows = static_cast<std::size_t>(a.batch) * a.num_q_heads;
+  plan.counter_offset = 0;
+  plan.counter_bytes =
+      align(static_cast<std::size_t>(plan.counter_batch) * a.cache.kv_heads * plan.head_splits * sizeof(unsigned));
+  plan.partial_offset = plan.counter_bytes;
+  plan.lse_offset = plan.partial_offset;
+  plan.workspace_bytes = plan.counter_bytes;
   if (plan.splits > 1) {
-    // Counters first: a workspace planned for a batch keeps its zeroed
-    // counters in place for any smaller batch (see hierarchical_decode::rebind).
-    auto align = [](std::size_t x) { return (x + 255) / 256 * 256; };
-    const std::size_t rows = static_cast<std::size_t>(a.batch) * a.num_q_heads;
-    plan.counter_offset = 0;
-    plan.partial_offset =
-        align(static_cast<std::size_t>(a.batch) * a.cache.kv_heads * plan.head_splits * sizeof(unsigned));
     plan.lse_offset = plan.partial_offset + align(rows * plan.splits * a.cache.head_dim * sizeof(float));
     plan.workspace_bytes = plan.lse_offset + align(rows * plan.splits * sizeof(float));
   }
@@ -451,10 +468,9 @@ template <class T>
 /// them zero again). Stream-ordered.
 [[nodiscard]] inline status initialize_decode_attention_workspace(const decode_attention_plan& plan, void* workspace,
                                                                   cudaStream_t stream = nullptr) {
-  if (plan.workspace_bytes == 0) return status::success;
+  if (plan.counter_bytes == 0) return status::success;
   if (workspace == nullptr) return fail(status::invalid_argument, "decode attention: workspace is null");
-  HISPARSE_CUDA_TRY(cudaMemsetAsync(static_cast<char*>(workspace) + plan.counter_offset, 0,
-                                    plan.partial_offset - plan.counter_offset, stream));
+  HISPARSE_CUDA_TRY(cudaMemsetAsync(static_cast<char*>(workspace) + plan.counter_offset, 0, plan.counter_bytes, stream));
   return status::success;
 }
 
@@ -468,9 +484,17 @@ template <class T, tile_policy Tile = kDecodeTile>
                                             void* workspace, cudaStream_t stream = nullptr) {
   static_assert(valid_tile_policy_v<Tile>);
   static_assert(Tile.block_q == 1, "decode attention takes one query per sequence (block_q = 1)");
+  static_assert(Tile.warps <= 4,
+                "decode attention keeps every reader's partial output in static shared memory "
+                "(warps x heads per CTA x 1 KB): at most 4 warps");
   if (plan.splits < 1) return fail(status::invalid_argument, "decode attention: the plan is empty");
-  if (plan.workspace_bytes > 0 && workspace == nullptr)
-    return fail(status::invalid_argument, "decode attention: the plan needs a workspace");
+  if (plan.batch != a.batch || plan.num_q_heads != a.num_q_heads || plan.kv_heads != a.cache.kv_heads ||
+      plan.head_dim != a.cache.head_dim || plan.max_items != a.max_items)
+    return fail(status::invalid_argument,
+                "decode attention: the plan was made for another shape (batch " + std::to_string(plan.batch) +
+                    ", max_items " + std::to_string(plan.max_items) + "); plan again for batch " +
+                    std::to_string(a.batch) + ", max_items " + std::to_string(a.max_items));
+  if (workspace == nullptr) return fail(status::invalid_argument, "decode attention: the plan needs a workspace");
   detail::decode_attention_params<T> p{};
   p.a = a;
   p.group = a.num_q_heads / a.cache.kv_heads;
@@ -480,9 +504,9 @@ template <class T, tile_policy Tile = kDecodeTile>
   const float scale = a.softmax_scale > 0.0f ? a.softmax_scale : 1.0f / std::sqrt(static_cast<float>(a.cache.head_dim));
   p.scale_log2 = scale * detail::kLog2e;
   auto* ws = static_cast<char*>(workspace);
-  p.partial_out = plan.workspace_bytes ? reinterpret_cast<float*>(ws + plan.partial_offset) : nullptr;
-  p.partial_lse = plan.workspace_bytes ? reinterpret_cast<float*>(ws + plan.lse_offset) : nullptr;
-  p.counters = plan.workspace_bytes ? reinterpret_cast<unsigned*>(ws + plan.counter_offset) : nullptr;
+  p.partial_out = plan.splits > 1 ? reinterpret_cast<float*>(ws + plan.partial_offset) : nullptr;
+  p.partial_lse = plan.splits > 1 ? reinterpret_cast<float*>(ws + plan.lse_offset) : nullptr;
+  p.counters = reinterpret_cast<unsigned*>(ws + plan.counter_offset);
   switch (a.cache.head_dim) {
     case 64: return detail::dispatch_heads_per_cta<T, 64, Tile>(plan.heads_per_cta, p, stream);
     case 128: return detail::dispatch_heads_per_cta<T, 128, Tile>(plan.heads_per_cta, p, stream);

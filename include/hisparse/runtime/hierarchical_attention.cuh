@@ -65,11 +65,25 @@ class hierarchical_decode {
     return attention::can_implement_decode_attention(attention_arguments(a, nullptr, nullptr, nullptr));
   }
 
-  /// Workspace bytes for `a` on the current device (queries the SM count).
+  /// Workspace bytes for `a` on the current device (queries the SM count):
+  /// enough for a.batch and for every smaller batch `rebind` may bring (a
+  /// smaller batch takes more splits per row, so it can need more).
   [[nodiscard]] status workspace_bytes(const arguments& a, std::size_t& bytes) const {
-    layout l;
-    HISPARSE_TRY(make_layout(a, l));
-    bytes = l.total;
+    int sms = 0;
+    HISPARSE_TRY(attention::current_device_sms(sms));
+    return workspace_bytes(a, sms, bytes);
+  }
+
+  /// The same for a GPU with `num_sms` multiprocessors (host only).
+  [[nodiscard]] status workspace_bytes(const arguments& a, int num_sms, std::size_t& bytes) const {
+    HISPARSE_TRY(can_implement(a));
+    bytes = 0;
+    arguments smaller = a;
+    for (smaller.batch = 1; smaller.batch <= a.batch; ++smaller.batch) {
+      layout l;
+      HISPARSE_TRY(make_layout(smaller, num_sms, a.batch, l));
+      bytes = std::max(bytes, l.total);
+    }
     return status::success;
   }
 
@@ -77,16 +91,20 @@ class hierarchical_decode {
   /// the merge counters on `stream`. Keeps `a`: later runs read the same
   /// device buffers (refill them between runs or replays).
   [[nodiscard]] status plan(const arguments& a, void* workspace, std::size_t bytes, cudaStream_t stream = nullptr) {
-    HISPARSE_TRY(can_implement(a));
-    layout l;
-    HISPARSE_TRY(make_layout(a, l));
-    if (workspace == nullptr || bytes < l.total)
+    int sms = 0;
+    HISPARSE_TRY(attention::current_device_sms(sms));
+    std::size_t needed = 0;
+    HISPARSE_TRY(workspace_bytes(a, sms, needed));
+    if (workspace == nullptr || bytes < needed)
       return fail(status::invalid_argument, "hierarchical decode: workspace of " + std::to_string(bytes) +
-                                                " bytes is smaller than the " + std::to_string(l.total) + " required");
+                                                " bytes is smaller than the " + std::to_string(needed) + " required");
+    layout l;
+    HISPARSE_TRY(make_layout(a, sms, a.batch, l));
     bind(a, l, workspace);
     HISPARSE_TRY(attention::initialize_decode_attention_workspace(attention_plan_, attention_workspace_, stream));
     workspace_ = workspace;
     capacity_ = bytes;
+    sms_ = sms;
     planned_batch_ = a.batch;
     planned_ = true;
     return status::success;
@@ -94,8 +112,9 @@ class hierarchical_decode {
 
   /// Points a planned operator at another batch of at most the planned size
   /// (new queries, slots, outputs) in the same workspace: host work only, no
-  /// stream operation. The counters `plan` zeroed stay valid (they sit at the
-  /// front of the workspace and every run leaves them zero).
+  /// stream operation. The merge counters `plan` zeroed stay valid: they are
+  /// sized for the planned batch at the front of the workspace, and every run
+  /// leaves them zero.
   [[nodiscard]] status rebind(const arguments& a) {
     if (!planned_) return fail(status::invalid_argument, "hierarchical decode: rebind before plan");
     if (a.batch > planned_batch_)
@@ -103,8 +122,8 @@ class hierarchical_decode {
                                                 " exceeds the planned " + std::to_string(planned_batch_));
     HISPARSE_TRY(can_implement(a));
     layout l;
-    HISPARSE_TRY(make_layout(a, l));
-    if (l.total > capacity_) return fail(status::invalid_argument, "hierarchical decode: workspace too small");
+    HISPARSE_TRY(make_layout(a, sms_, planned_batch_, l));
+    if (l.total > capacity_) return fail(status::internal_error, "hierarchical decode: workspace too small");
     bind(a, l, workspace_);
     return status::success;
   }
@@ -132,11 +151,9 @@ class hierarchical_decode {
   };
 
   /// [attention workspace (merge counters first) | kept slices | counts | windows]
-  status make_layout(const arguments& a, layout& l) const {
-    int sms = 0;
-    HISPARSE_TRY(attention::current_device_sms(sms));
+  status make_layout(const arguments& a, int sms, int counter_batch, layout& l) const {
     HISPARSE_TRY(attention::plan_decode_attention(attention_arguments(a, nullptr, nullptr, nullptr), sms,
-                                                  l.attention_plan));
+                                                  l.attention_plan, counter_batch));
     auto align = [](std::size_t x) { return (x + 255) / 256 * 256; };
     const std::size_t rows = static_cast<std::size_t>(a.batch) * a.cache.kv_heads;
     l.attention = 0;
@@ -202,6 +219,7 @@ class hierarchical_decode {
   void* attention_workspace_ = nullptr;
   void* workspace_ = nullptr;
   std::size_t capacity_ = 0;
+  int sms_ = 0;
   int planned_batch_ = 0;
   bool planned_ = false;
 };
@@ -230,13 +248,13 @@ class dense_decode {
   [[nodiscard]] status workspace_bytes(const arguments& a, std::size_t& bytes) const {
     attention::decode_attention_plan p;
     HISPARSE_TRY(plan_for(a, p));
-    bytes = std::max<std::size_t>(p.workspace_bytes, 1);
+    bytes = p.workspace_bytes;
     return status::success;
   }
 
   [[nodiscard]] status plan(const arguments& a, void* workspace, std::size_t bytes, cudaStream_t stream = nullptr) {
     HISPARSE_TRY(plan_for(a, plan_));
-    if (plan_.workspace_bytes > 0 && (workspace == nullptr || bytes < plan_.workspace_bytes))
+    if (workspace == nullptr || bytes < plan_.workspace_bytes)
       return fail(status::invalid_argument, "dense decode: workspace too small");
     args_ = dense_arguments(a);
     workspace_ = workspace;

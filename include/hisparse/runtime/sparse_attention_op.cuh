@@ -66,11 +66,9 @@ class sparse_attention_op {
       const SparseAttentionConfig& cfg = reg.get(id);
       if (cfg.fine_slice != in.cache.fine_slice || cfg.coarse_block != in.cache.coarse_block) continue;
       hierarchical_decode<T, Tile> op(cfg);
-      for (int batch = 1; batch <= in.max_batch; ++batch) {
-        std::size_t b = 0;
-        HISPARSE_TRY(op.workspace_bytes(probe_arguments(in, batch), b));
-        bytes = std::max(bytes, b);
-      }
+      std::size_t b = 0;  // covers every batch up to max_batch
+      HISPARSE_TRY(op.workspace_bytes(probe_arguments(in, in.max_batch), b));
+      bytes = std::max(bytes, b);
       ops.emplace(id, op);
     }
     if (ops.empty())
@@ -115,7 +113,9 @@ class sparse_attention_op {
     return it->second.run(stream);
   }
 
-  /// Frees the workspace (stream-ordered on the init stream). Safe to call twice.
+  /// Frees the workspace, stream-ordered on the init stream: forwards queued
+  /// on other streams must be ordered before it by the caller (the resource
+  /// contract). The destructor calls it. Safe to call twice.
   void release() {
     if (!initialized_) return;
     init_.resource->deallocate(workspace_, workspace_bytes_, init_.stream);

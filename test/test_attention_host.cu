@@ -1,0 +1,125 @@
+// The decode attention's and the composed step's host side needs no device:
+// plans, workspace layouts and argument checks answer before any CUDA call
+// (the SM count is passed in), so they are CPU tests.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "hisparse/attention/decode.cuh"
+#include "hisparse/runtime/hierarchical_attention.cuh"
+
+using namespace hisparse;
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+// Host checks never dereference these: they only need to be non-null and
+// 16-byte aligned.
+alignas(16) bf16 fake_queries[8];
+alignas(16) std::int32_t fake_ints[8];
+bf16* fake_page_table[8];
+
+kv::paged_kv_ref<bf16> fake_cache(std::int32_t max_slices) {
+  kv::paged_kv_ref<bf16> c;
+  c.page_table = fake_page_table;
+  c.lengths = fake_ints;
+  c.slice_sums = reinterpret_cast<const float*>(fake_ints);
+  c.block_sums = reinterpret_cast<const float*>(fake_ints);
+  c.layers = 1;
+  c.kv_heads = 8;
+  c.head_dim = 128;
+  c.fine_slice = 64;
+  c.coarse_block = 1024;
+  c.max_slices = max_slices;
+  c.max_blocks = max_slices / 16;
+  return c;
+}
+
+attention::decode_attention_arguments<bf16> dense_args(int batch, std::int32_t max_slices) {
+  attention::decode_attention_arguments<bf16> a;
+  a.queries = fake_queries;
+  a.slots = fake_ints;
+  a.batch = batch;
+  a.num_q_heads = 32;
+  a.cache = fake_cache(max_slices);
+  a.max_items = max_slices;
+  a.out = fake_queries;
+  return a;
+}
+
+}  // namespace
+
+TEST_CASE("decode attention plans one wave and keeps its counters in place for smaller batches",
+          "[attention][plan]") {
+  constexpr int kSms = 132;
+  attention::decode_attention_plan big;
+  REQUIRE(attention::plan_decode_attention(dense_args(16, 4096), kSms, big) == status::success);
+  CHECK(big.heads_per_cta == 4);
+  CHECK(big.counter_batch == 16);
+  CHECK(big.counter_offset == 0);
+  CHECK(big.counter_bytes >= 16 * 8 * sizeof(unsigned));
+  for (int batch = 1; batch <= 16; ++batch) {
+    INFO("batch " << batch);
+    attention::decode_attention_plan p;
+    REQUIRE(attention::plan_decode_attention(dense_args(batch, 4096), kSms, p, 16) == status::success);
+    // The same zeroed counters, and the partials never overlap them.
+    CHECK(p.counter_offset == big.counter_offset);
+    CHECK(p.counter_bytes == big.counter_bytes);
+    CHECK(p.partial_offset >= p.counter_bytes);
+    // One wave of CTAs (3 per SM for 4 heads per CTA), at most 64 splits,
+    // and the splits cover every slice.
+    CHECK(std::int64_t{p.splits} * batch * 8 <= std::max<std::int64_t>(3 * kSms, batch * 8));
+    CHECK(p.splits <= 64);
+    CHECK(std::int64_t{p.splits} * p.slices_per_split >= 4096);
+    CHECK(std::int64_t{p.splits - 1} * p.slices_per_split < 4096);
+  }
+  // A large batch takes one split, but still reserves (and will zero) the
+  // counters a smaller batch on the same workspace needs.
+  attention::decode_attention_plan huge;
+  REQUIRE(attention::plan_decode_attention(dense_args(64, 4096), kSms, huge) == status::success);
+  CHECK(huge.splits == 1);
+  CHECK(huge.counter_bytes >= 64 * 8 * sizeof(unsigned));
+  CHECK(huge.workspace_bytes == huge.counter_bytes);
+}
+
+TEST_CASE("decode attention refuses a plan made for another shape, before launching", "[attention][errors]") {
+  attention::decode_attention_plan p;
+  REQUIRE(attention::plan_decode_attention(dense_args(8, 512), 132, p) == status::success);
+  alignas(256) static char workspace[1];
+  auto other = dense_args(4, 512);
+  CHECK(attention::decode_attention_async(p, other, workspace) == status::invalid_argument);
+  CHECK_THAT(last_error(), Catch::Contains("another shape"));
+  other = dense_args(8, 256);
+  CHECK(attention::decode_attention_async(p, other, workspace) == status::invalid_argument);
+  CHECK(attention::decode_attention_async(p, dense_args(8, 512), nullptr) == status::invalid_argument);
+  CHECK(attention::decode_attention_async(attention::decode_attention_plan{}, dense_args(8, 512), workspace) ==
+        status::invalid_argument);
+}
+
+TEST_CASE("the composed step's workspace covers every smaller batch", "[attention][plan]") {
+  hierarchical_decode<bf16> op(SparseAttentionConfig{});
+  decode_step_arguments<bf16> a;
+  a.queries = fake_queries;
+  a.slots = fake_ints;
+  a.num_q_heads = 32;
+  a.cache = fake_cache(4096);
+  a.out = fake_queries;
+  for (const int planned : {1, 7, 16, 50}) {
+    INFO("planned batch " << planned);
+    a.batch = planned;
+    std::size_t bytes = 0;
+    REQUIRE(op.workspace_bytes(a, 132, bytes) == status::success);
+    for (int batch = 1; batch <= planned; ++batch) {
+      auto smaller = a;
+      smaller.batch = batch;
+      std::size_t own = 0;
+      REQUIRE(op.workspace_bytes(smaller, 132, own) == status::success);
+      CHECK(own <= bytes);
+    }
+  }
+  a.batch = 0;
+  std::size_t bytes = 0;
+  CHECK(op.workspace_bytes(a, 132, bytes) == status::invalid_argument);
+}
