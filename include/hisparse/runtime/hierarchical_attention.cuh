@@ -48,6 +48,26 @@ struct decode_step_arguments {
   float softmax_scale = 0.0f;  ///< 0: 1 / sqrt(head_dim)
 };
 
+namespace detail {
+/// The attention over every stored token of a step's arguments (the sparse
+/// step adds its selection to this).
+template <class T>
+attention::decode_attention_arguments<T> dense_attention_arguments(const decode_step_arguments<T>& a) {
+  attention::decode_attention_arguments<T> d;
+  d.queries = a.queries;
+  d.slots = a.slots;
+  d.batch = a.batch;
+  d.layer = a.layer;
+  d.num_q_heads = a.num_q_heads;
+  d.cache = a.cache;
+  d.max_items = a.cache.max_slices;
+  d.softmax_scale = a.softmax_scale;
+  d.out = a.out;
+  d.lse = a.lse;
+  return d;
+}
+}  // namespace detail
+
 template <class T, tile_policy Tile = attention::kDecodeTile>
 class hierarchical_decode {
  public:
@@ -192,21 +212,12 @@ class hierarchical_decode {
   attention::decode_attention_arguments<T> attention_arguments(const arguments& a, const std::int32_t* kept,
                                                                const std::int32_t* num,
                                                                const std::int32_t* window) const {
-    attention::decode_attention_arguments<T> d;
-    d.queries = a.queries;
-    d.slots = a.slots;
-    d.batch = a.batch;
-    d.layer = a.layer;
-    d.num_q_heads = a.num_q_heads;
-    d.cache = a.cache;
+    auto d = detail::dense_attention_arguments(a);
     d.kept_slices = kept;
     d.num_slices = num;
     d.window_begin = window;
     d.top_k_fine = cfg_.top_k_fine;
     d.max_items = std::min(attention::sparse_max_items(cfg_), a.cache.max_slices);
-    d.softmax_scale = a.softmax_scale;
-    d.out = a.out;
-    d.lse = a.lse;
     return d;
   }
 
@@ -256,7 +267,7 @@ class dense_decode {
     HISPARSE_TRY(plan_for(a, plan_));
     if (workspace == nullptr || bytes < plan_.workspace_bytes)
       return fail(status::invalid_argument, "dense decode: workspace too small");
-    args_ = dense_arguments(a);
+    args_ = detail::dense_attention_arguments(a);
     workspace_ = workspace;
     HISPARSE_TRY(attention::initialize_decode_attention_workspace(plan_, workspace_, stream));
     planned_ = true;
@@ -269,24 +280,10 @@ class dense_decode {
   }
 
  private:
-  static attention::decode_attention_arguments<T> dense_arguments(const arguments& a) {
-    attention::decode_attention_arguments<T> d;
-    d.queries = a.queries;
-    d.slots = a.slots;
-    d.batch = a.batch;
-    d.layer = a.layer;
-    d.num_q_heads = a.num_q_heads;
-    d.cache = a.cache;
-    d.max_items = a.cache.max_slices;
-    d.softmax_scale = a.softmax_scale;
-    d.out = a.out;
-    d.lse = a.lse;
-    return d;
-  }
   static status plan_for(const arguments& a, attention::decode_attention_plan& p) {
     int sms = 0;
     HISPARSE_TRY(attention::current_device_sms(sms));
-    return attention::plan_decode_attention(dense_arguments(a), sms, p);
+    return attention::plan_decode_attention(detail::dense_attention_arguments(a), sms, p);
   }
 
   attention::decode_attention_arguments<T> args_{};
