@@ -1,6 +1,6 @@
 #pragma once
 // Decode selection: the coarse and fine filters of DESIGN.md section 1 for
-// one query per sequence (M = 1), fused into one launch. A cluster of 8 CTAs
+// one query per sequence (M = 1), fused into one launch. A cluster of 4 CTAs
 // per (sequence, KV head) on sm_90 (they split the scoring and exchange
 // scores through distributed shared memory), one CTA on sm_80/sm_89:
 //   1. the GQA group's queries are summed in fp32 (sum_g q_g . x = (sum_g q_g) . x);
