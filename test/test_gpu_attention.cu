@@ -146,14 +146,8 @@ step_output run_step(const test::problem<T>& p, Cache& cache, const std::vector<
   out.poison(nullptr);
   lse.poison(nullptr);
   hierarchical_decode<T> op(p.cfg);
-  decode_step_arguments<T> a;
-  a.queries = d_q.ptr;
-  a.slots = d_slots.ptr;
-  a.batch = B;
-  a.num_q_heads = Hq;
-  a.cache = cache.ref();
-  a.out = out.ptr;
-  a.lse = lse.ptr;
+  const decode_step_arguments<T> a{.queries = d_q.ptr, .slots = d_slots.ptr, .batch = B, .num_q_heads = Hq,
+                                    .cache = cache.ref(), .out = out.ptr, .lse = lse.ptr};
   std::size_t bytes = 0;
   REQUIRE(op.workspace_bytes(a, bytes) == status::success);
   dev<char> ws(bytes);
@@ -335,14 +329,9 @@ TEST_CASE("decode step replays from a CUDA graph with new queries and tokens", "
   dev<__nv_bfloat16> d_q(p.queries), out(B * Hq * D);
   dev<float> lse(B * Hq);
   hierarchical_attention<> op;
-  decode_step_arguments<__nv_bfloat16> a;
-  a.queries = d_q.ptr;
-  a.slots = d_slots.ptr;
-  a.batch = B;
-  a.num_q_heads = Hq;
-  a.cache = cache.ref();
-  a.out = out.ptr;
-  a.lse = lse.ptr;
+  const decode_step_arguments<__nv_bfloat16> a{.queries = d_q.ptr, .slots = d_slots.ptr, .batch = B,
+                                                .num_q_heads = Hq, .cache = cache.ref(), .out = out.ptr,
+                                                .lse = lse.ptr};
   std::size_t bytes = 0;
   REQUIRE(op.workspace_bytes(a, bytes) == status::success);
   dev<char> ws(bytes);
@@ -538,13 +527,8 @@ TEST_CASE("decode attention rejects bad input before launching", "[gpu][attentio
   CHECK(attention::plan_decode_attention(bad, 132, plan) == status::invalid_argument);
   hierarchical_decode<__nv_bfloat16> op(SparseAttentionConfig{});
   CHECK(op.run() == status::invalid_argument);  // run before plan
-  decode_step_arguments<__nv_bfloat16> s;
-  s.queries = d_q.ptr;
-  s.slots = d_slots.ptr;
-  s.batch = 1;
-  s.num_q_heads = 32;
-  s.cache = cache.ref();
-  s.out = out.ptr;
+  const decode_step_arguments<__nv_bfloat16> s{.queries = d_q.ptr, .slots = d_slots.ptr, .batch = 1,
+                                                .num_q_heads = 32, .cache = cache.ref(), .out = out.ptr};
   char small[16];
   CHECK(op.plan(s, small, sizeof small) == status::invalid_argument);
   CHECK_THAT(last_error(), Catch::Contains("workspace"));
