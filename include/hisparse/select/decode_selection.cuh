@@ -91,7 +91,8 @@ inline constexpr int kSelectKeysPerThread = 16;
 /// fine candidates (top_k_coarse * C / F).
 inline constexpr int kMaxSelectCandidates = kSelectThreads * kSelectKeysPerThread;
 /// The threshold-filter top-k (mark_top_k) covers up to this many
-/// candidates and k up to half the CTA; larger problems take block_topk.
+/// candidates and k up to half the CTA; larger problems take block_topk,
+/// which only the wide kernel carries (16 keys per thread in registers).
 inline constexpr int kFilterMaxCandidates = 1024;
 inline constexpr int kFilterMaxK = kSelectThreads / 2;
 /// CTAs of one thread-block cluster that share a (sequence, KV head) on sm_90.
@@ -100,14 +101,15 @@ inline constexpr int kFilterMaxK = kSelectThreads / 2;
 /// wave; clusters of eight at two CTAs per SM measured 1.94 waves (Nsight
 /// Compute: 30 active clusters, 102 registers per thread).
 inline constexpr int kSelectCluster = 4;
-/// CTAs per SM the kernel is compiled for (at most 85 registers per thread;
-/// at four, 64 registers, it spilled 768 bytes per thread).
+/// CTAs per SM the kernel is compiled for (80 registers per thread, no
+/// spills; at four, 64 registers, sm_90 spills up to 24 bytes per thread in
+/// the narrow kernel and 48 in the wide one).
 inline constexpr int kSelectMinBlocksPerSm = 3;
 
 /// Byte offsets into the kernel's dynamic shared memory, sized from the
 /// config and the cache (host side, select_decode_async).
 struct selection_smem {
-  int keys = 0;           ///< topk_key[key_capacity]: filter survivors or the block_topk sort
+  int keys = 0;           ///< topk_key[key_capacity]: filter survivors, or the block_topk sort (wide)
   int coarse_scores = 0;  ///< float[max_blocks]
   int fine_scores = 0;    ///< float[top_k_coarse * C / F]
   int keep = 0;           ///< uint8[max(max_blocks, fine candidates)]
@@ -178,23 +180,50 @@ __device__ __forceinline__ void load_lane(const float* row, float (&v)[kPer]) {
   }
 }
 
+/// This thread's warp among the cluster's S * kSelectWarps.
+template <int S>
+__device__ __forceinline__ int cluster_warp() {
+  return static_cast<int>(cluster_ops<S>::rank()) * kSelectWarps + static_cast<int>(threadIdx.x / 32);
+}
+
+/// A row's score before the scale is warp_sum(lane_dot(q, v)): this lane's
+/// kPer floats of the row's key sum dotted with qsum's (fmaf in order), then
+/// summed across the warp. Every row goes through this arithmetic, so equal
+/// means give equal scores wherever they are scored.
+template <int kPer>
+__device__ __forceinline__ float lane_dot(const float (&q)[kPer], const float (&v)[kPer]) {
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) s = fmaf(q[i], v[i], s);
+  return s;
+}
+
+__device__ __forceinline__ float warp_sum(float s) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(kFullMask, s, off);
+  return s;
+}
+
+template <int kPer>
+__device__ __forceinline__ void load_q(const float* qsum, float (&q)[kPer]) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) q[i] = qsum[lane * kPer + i];
+}
+
 /// Scores candidate rows [0, count) with one warp per row; the cluster's
-/// S * kSelectWarps warps split the rows (`first_warp` is this CTA's first),
-/// and `store(r, score)` runs in lane 0. `load(r, d0, v)` fills the lane's
-/// floats d0..d0+kPer-1 of row r's key sum, dotted with qsum and scaled by
-/// scale_of(r) (1 / tokens). Every row goes through the same arithmetic in
-/// the same order, so equal means give equal scores wherever they are scored.
-template <int D, int S, class Load, class ScaleOf, class Store>
-__device__ void score_rows(int count, const float* qsum, Load load, ScaleOf scale_of, Store store) {
+/// S * kSelectWarps warps split the rows, and `store(r, score)` runs in lane
+/// 0. `load(r, d0, v)` fills the lane's floats d0..d0+kPer-1 of row r's key
+/// sum, dotted with qsum and scaled by `scale` (1 / tokens).
+template <int D, int S, class Load, class Store>
+__device__ void score_rows(int count, const float* qsum, Load load, float scale, Store store) {
   constexpr int kPer = D / 32;  // floats per lane: 2, 4 or 8
   constexpr int kRowsInFlight = 32 / kPer;  // 128 bytes of loads in flight per lane
   constexpr int kStride = S * kSelectWarps;
   const int lane = threadIdx.x & 31;
-  const int warp = static_cast<int>(cluster_ops<S>::rank()) * kSelectWarps + static_cast<int>(threadIdx.x / 32);
   float q[kPer];
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) q[i] = qsum[lane * kPer + i];
-  for (int base = warp; base < count; base += kStride * kRowsInFlight) {
+  load_q(qsum, q);
+  for (int base = cluster_warp<S>(); base < count; base += kStride * kRowsInFlight) {
     float part[kRowsInFlight];
 #pragma unroll
     for (int u = 0; u < kRowsInFlight; ++u) {
@@ -203,19 +232,47 @@ __device__ void score_rows(int count, const float* qsum, Load load, ScaleOf scal
       if (r < count) {
         float v[kPer];
         load(r, lane * kPer, v);
-#pragma unroll
-        for (int i = 0; i < kPer; ++i) part[u] = fmaf(q[i], v[i], part[u]);
+        part[u] = lane_dot(q, v);
       }
     }
 #pragma unroll
     for (int u = 0; u < kRowsInFlight; ++u) {
-      float s = part[u];
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(kFullMask, s, off);
+      const float s = warp_sum(part[u]);
       const int r = base + u * kStride;
-      if (lane == 0 && r < count) store(r, s * scale_of(r));
+      if (lane == 0 && r < count) store(r, s * scale);
     }
   }
+}
+
+/// Scores, on one warp of the cluster (`warp`), a row whose key sum is the
+/// sum of the n rows at rows + j * stride, added in order j = 0..n-1 (the
+/// partial block: its far slices' sums); kRowsInFlight rows' loads in flight
+/// at a time. `store(score)` runs in lane 0.
+template <int D, int S, class Store>
+__device__ void score_summed_row(int warp, const float* qsum, const float* rows, std::int64_t stride, int n,
+                                 float scale, Store store) {
+  constexpr int kPer = D / 32;
+  constexpr int kRowsInFlight = 32 / kPer;
+  if (cluster_warp<S>() != warp) return;
+  const int lane = threadIdx.x & 31;
+  float v[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) v[i] = 0.0f;
+  for (int j0 = 0; j0 < n; j0 += kRowsInFlight) {
+    float w[kRowsInFlight][kPer];
+#pragma unroll
+    for (int j = 0; j < kRowsInFlight; ++j)
+      if (j0 + j < n) load_lane<kPer>(rows + (j0 + j) * stride + lane * kPer, w[j]);
+#pragma unroll
+    for (int j = 0; j < kRowsInFlight; ++j)
+      if (j0 + j < n)
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) v[i] += w[j][i];
+  }
+  float q[kPer];
+  load_q(qsum, q);
+  const float s = warp_sum(lane_dot(q, v));
+  if (lane == 0) store(s * scale);
 }
 
 /// Stores a score into the same slot of every CTA of the cluster.
@@ -231,6 +288,24 @@ struct filter_storage {
   unsigned fill;
 };
 
+using select_scan = cub::BlockScan<int, kSelectThreads>;
+using select_block_topk = block_topk<kSelectThreads, kSelectKeysPerThread>;
+
+/// Shared temporaries of a top-k stage (the filter's or block_topk's) and of
+/// the compaction that follows it; each use ends at a barrier before the next
+/// begins. Only the wide kernel holds block_topk's.
+template <bool Wide>
+union selection_temp {
+  filter_storage filter;
+  select_scan::TempStorage scan;
+};
+template <>
+union selection_temp<true> {
+  filter_storage filter;
+  select_scan::TempStorage scan;
+  select_block_topk::TempStorage block;
+};
+
 /// Top-k of scores[0, count) (candidate ids 0..count-1), ties to the lower
 /// id: sets keep[i] to 1 for the kept candidates and 0 for the rest.
 ///
@@ -240,70 +315,77 @@ struct filter_storage {
 /// reaches it too. Only the survivors (~2k-3k on random scores; all of them
 /// in the worst case, still exact) are ranked, each against the others, and
 /// rank < k keeps. Four barriers, no serial rounds: the 1-bit radix select
-/// it replaces spent 32-64 rounds with a barrier each.
-template <class BlockTopk>
+/// it replaces spent 32-64 rounds with a barrier each. Larger problems take
+/// block_topk, in the wide kernel only (the narrow one is launched only
+/// where every stage fits the filter: fits_filter).
+template <bool Wide>
 __device__ void mark_top_k(const float* scores, int count, int k, unsigned char* keep, topk_key* keys,
-                           filter_storage& fs, typename BlockTopk::TempStorage& block_storage) {
+                           selection_temp<Wide>& temp) {
   const int t = static_cast<int>(threadIdx.x);
   for (int i = t; i < count; i += kSelectThreads) keep[i] = count <= k ? 1 : 0;
   if (count <= k) {
     __syncthreads();
     return;
   }
-  if (count <= kFilterMaxCandidates && k <= kFilterMaxK) {
-    const int ng = min(count, 2 * k);
-    if (t < ng) {
-      topk_key m = kNoCandidate;
-      for (int i = t; i < count; i += ng) m = max(m, make_key(scores[i], i));
-      fs.group_max[t] = m;
-    }
-    if (t == 0) fs.fill = 0;
-    __syncthreads();
-    if (t < ng) {
-      const topk_key mine = fs.group_max[t];
-      int above = 0;
-      for (int u = 0; u < ng; ++u) above += fs.group_max[u] > mine ? 1 : 0;
-      if (above == k - 1) fs.threshold = mine;
-    }
-    __syncthreads();
-    const topk_key threshold = fs.threshold;
-    for (int i = t; i < count; i += kSelectThreads) {
-      const topk_key key = make_key(scores[i], i);
-      if (key >= threshold) keys[atomicAdd(&fs.fill, 1u)] = key;
-    }
-    __syncthreads();
-    const int survivors = static_cast<int>(fs.fill);
-    for (int s = t; s < survivors; s += kSelectThreads) {
-      const topk_key mine = keys[s];
-      int above = 0;
-      for (int u = 0; u < survivors; ++u) above += keys[u] > mine ? 1 : 0;
-      if (above < k) keep[key_index(mine)] = 1;
-    }
-  } else {
-    topk_key mine[kSelectKeysPerThread];
+  if constexpr (Wide) {
+    if (count > kFilterMaxCandidates || k > kFilterMaxK) {
+      topk_key mine[kSelectKeysPerThread];
 #pragma unroll
-    for (int j = 0; j < kSelectKeysPerThread; ++j) {
-      const int i = j * kSelectThreads + t;
-      mine[j] = i < count ? make_key(scores[i], i) : kNoCandidate;
+      for (int j = 0; j < kSelectKeysPerThread; ++j) {
+        const int i = j * kSelectThreads + t;
+        mine[j] = i < count ? make_key(scores[i], i) : kNoCandidate;
+      }
+      const int found = select_block_topk(temp.block).select(mine, k, keys);
+      for (int i = t; i < found; i += kSelectThreads) keep[key_index(keys[i])] = 1;
+      __syncthreads();
+      return;
     }
-    const int found = BlockTopk(block_storage).select(mine, k, keys);
-    for (int i = t; i < found; i += kSelectThreads) keep[key_index(keys[i])] = 1;
+  }
+  filter_storage& fs = temp.filter;
+  const int ng = min(count, 2 * k);
+  if (t < ng) {
+    topk_key m = kNoCandidate;
+    for (int i = t; i < count; i += ng) m = max(m, make_key(scores[i], i));
+    fs.group_max[t] = m;
+  }
+  if (t == 0) fs.fill = 0;
+  __syncthreads();
+  if (t < ng) {
+    const topk_key mine = fs.group_max[t];
+    int above = 0;
+    for (int u = 0; u < ng; ++u) above += fs.group_max[u] > mine ? 1 : 0;
+    if (above == k - 1) fs.threshold = mine;
+  }
+  __syncthreads();
+  const topk_key threshold = fs.threshold;
+  for (int i = t; i < count; i += kSelectThreads) {
+    const topk_key key = make_key(scores[i], i);
+    if (key >= threshold) keys[atomicAdd(&fs.fill, 1u)] = key;
+  }
+  __syncthreads();
+  const int survivors = static_cast<int>(fs.fill);
+  for (int s = t; s < survivors; s += kSelectThreads) {
+    const topk_key mine = keys[s];
+    int above = 0;
+    for (int u = 0; u < survivors; ++u) above += keys[u] > mine ? 1 : 0;
+    if (above < k) keep[key_index(mine)] = 1;
   }
   __syncthreads();
 }
 
-/// Compacts the marked candidates, in candidate order, to out[0, n) and
-/// returns n: every thread scans a contiguous run, one block-wide scan.
-template <class Scan, class Emit>
-__device__ int compact_marked(const unsigned char* keep, int count, typename Scan::TempStorage& scan_storage,
+/// Compacts the marked candidates (count <= kMaxCandidates), in candidate
+/// order, to out[0, n) and returns n: every thread scans a contiguous run,
+/// one block-wide scan.
+template <int kMaxCandidates, class Emit>
+__device__ int compact_marked(const unsigned char* keep, int count, select_scan::TempStorage& scan_storage,
                               Emit emit) {
-  constexpr int kPerThread = kMaxSelectCandidates / kSelectThreads;
+  constexpr int kPerThread = kMaxCandidates / kSelectThreads;
   const int first = threadIdx.x * kPerThread;
   int mine = 0;
 #pragma unroll
   for (int j = 0; j < kPerThread; ++j) mine += first + j < count ? keep[first + j] : 0;
   int offset = 0, total = 0;
-  Scan(scan_storage).ExclusiveSum(mine, offset, total);
+  select_scan(scan_storage).ExclusiveSum(mine, offset, total);
 #pragma unroll
   for (int j = 0; j < kPerThread; ++j)
     if (first + j < count && keep[first + j]) emit(offset++, first + j);
@@ -315,18 +397,22 @@ __device__ int compact_marked(const unsigned char* keep, int count, typename Sca
 /// The cluster's CTAs split the scoring of blocks and of fine candidates and
 /// broadcast every score into each other's shared memory, so each CTA holds
 /// all scores after a cluster barrier; all rank the blocks (identically), and
-/// CTA 0 ranks the slices and writes the outputs.
-template <class Q, int D, int S>
+/// CTA 0 ranks the slices and writes the outputs. Wide: the kernel that can
+/// rank more than kFilterMaxCandidates candidates or keep more than
+/// kFilterMaxK (block_topk); the narrow one ranks by the filter alone.
+template <class Q, int D, int S, bool Wide>
 __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_selection_kernel(const __grid_constant__ decode_params<Q> p) {
-  using block_select = block_topk<kSelectThreads, kSelectKeysPerThread>;
-  using scan = cub::BlockScan<int, kSelectThreads>;
   using cluster = cluster_ops<S>;
+  constexpr int kMaxCandidates = Wide ? kMaxSelectCandidates : kFilterMaxCandidates;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // A kernel launched as this one's programmatic dependent (the attention of
+  // hierarchical_decode::run) may start now: it reads nothing this kernel
+  // writes before its griddepcontrol.wait, which still waits for this whole
+  // grid to finish. No-op for an ordinary next launch.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
   __shared__ float qsum[D];
-  __shared__ filter_storage filter;
-  __shared__ union {
-    typename block_select::TempStorage block;
-    typename scan::TempStorage scan;
-  } storage;
+  __shared__ selection_temp<Wide> temp;
   extern __shared__ __align__(16) unsigned char smem[];
   auto* keys = reinterpret_cast<topk_key*>(smem + p.smem.keys);
   auto* coarse_scores = reinterpret_cast<float*>(smem + p.smem.coarse_scores);
@@ -364,37 +450,18 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   const float* block_base = in.block_sums + (seq_layer * in.max_blocks * in.kv_heads + h) * D;
 
   // Step 4: score the candidate blocks. Whole blocks use their stored sum;
-  // the block holding ws is scored by the sum of its far slices' sums.
+  // the block holding ws (if it is partial) is scored by the sum of its far
+  // slices' sums, on the warp next in line after the whole blocks.
   constexpr int kPer = D / 32;
-  const bool partial_last = std::int64_t{blocks} * C > ws;
+  const std::int32_t whole = std::int64_t{blocks} * C > ws ? blocks - 1 : blocks;
+  if (whole < blocks)
+    score_summed_row<D, S>(whole % (S * kSelectWarps), qsum, slice_base + std::int64_t{whole} * spb * head_stride,
+                           head_stride, far_slices - whole * spb, 1.0f / static_cast<float>(ws - whole * C),
+                           [&](float s) { broadcast<S>(coarse_scores, whole, s); });
   score_rows<D, S>(
-      blocks, qsum,
-      [&](int r, int d0, float(&v)[kPer]) {
-        if (partial_last && r == blocks - 1) {
-#pragma unroll
-          for (int i = 0; i < kPer; ++i) v[i] = 0.0f;
-          // Eight slices' loads in flight at a time; summed in slice order.
-          constexpr int kBatch = 8;
-          for (std::int32_t sl0 = r * spb; sl0 < far_slices; sl0 += kBatch) {
-            float w[kBatch][kPer];
-#pragma unroll
-            for (int j = 0; j < kBatch; ++j)
-              if (sl0 + j < far_slices) load_lane<kPer>(slice_base + (sl0 + j) * head_stride + d0, w[j]);
-#pragma unroll
-            for (int j = 0; j < kBatch; ++j)
-              if (sl0 + j < far_slices)
-#pragma unroll
-                for (int i = 0; i < kPer; ++i) v[i] += w[j][i];
-          }
-        } else {
-          load_lane<kPer>(block_base + r * head_stride + d0, v);
-        }
-      },
-      [&](int r) {
-        const std::int32_t tokens = partial_last && r == blocks - 1 ? ws - r * C : C;
-        return 1.0f / static_cast<float>(tokens);
-      },
-      [&](int r, float s) { broadcast<S>(coarse_scores, r, s); });
+      whole, qsum,
+      [&](int r, int d0, float(&v)[kPer]) { load_lane<kPer>(block_base + r * head_stride + d0, v); },
+      1.0f / static_cast<float>(C), [&](int r, float s) { broadcast<S>(coarse_scores, r, s); });
   cluster::sync();
 
   int kept = 0;
@@ -403,8 +470,8 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   float* out_block_scores = writer && p.out.block_scores ? p.out.block_scores + at * p.top_k_coarse : nullptr;
   std::int32_t* out_blocks = writer && p.out.kept_blocks ? p.out.kept_blocks + at * p.top_k_coarse : nullptr;
   if (blocks > 0) {  // uniform across the CTA
-    mark_top_k<block_select>(coarse_scores, blocks, p.top_k_coarse, keep, keys, filter, storage.block);
-    kept = compact_marked<scan>(keep, blocks, storage.scan, [&](int pos, int block) {
+    mark_top_k<Wide>(coarse_scores, blocks, p.top_k_coarse, keep, keys, temp);
+    kept = compact_marked<kMaxCandidates>(keep, blocks, temp.scan, [&](int pos, int block) {
       kept_blocks[pos] = block;
       if (out_blocks) out_blocks[pos] = block;
       if (out_block_scores) out_block_scores[pos] = coarse_scores[block];
@@ -425,8 +492,7 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   score_rows<D, S>(
       candidates, qsum,
       [&](int c, int d0, float(&v)[kPer]) { load_lane<kPer>(slice_base + slice_of(c) * head_stride + d0, v); },
-      [&](int) { return 1.0f / static_cast<float>(F); },
-      [&](int c, float s) { broadcast<S>(fine_scores, c, s); });
+      1.0f / static_cast<float>(F), [&](int c, float s) { broadcast<S>(fine_scores, c, s); });
   // After this barrier no CTA touches another's shared memory again, so the
   // others may leave.
   cluster::sync();
@@ -436,8 +502,8 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   float* out_slice_scores = p.out.slice_scores ? p.out.slice_scores + at * p.top_k_fine : nullptr;
   int kept_slices = 0;
   if (candidates > 0) {  // uniform across the CTA
-    mark_top_k<block_select>(fine_scores, candidates, p.top_k_fine, keep, keys, filter, storage.block);
-    kept_slices = compact_marked<scan>(keep, candidates, storage.scan, [&](int pos, int c) {
+    mark_top_k<Wide>(fine_scores, candidates, p.top_k_fine, keep, keys, temp);
+    kept_slices = compact_marked<kMaxCandidates>(keep, candidates, temp.scan, [&](int pos, int c) {
       out_slices[pos] = slice_of(c);
       if (out_slice_scores) out_slice_scores[pos] = fine_scores[c];
     });
@@ -449,13 +515,29 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   if (threadIdx.x == 0) p.out.num_slices[at] = kept_slices;
 }
 
-/// Dynamic shared memory of the kernel for this config and cache.
-inline selection_smem plan_selection_smem(const SparseAttentionConfig& cfg, std::int32_t max_blocks) {
+/// Whether the narrow kernel can run a stage of up to `candidates`
+/// candidates and top-k: its compaction covers kFilterMaxCandidates, and
+/// mark_top_k either keeps all or takes the filter.
+inline bool fits_filter(std::int64_t candidates, int k) {
+  return candidates <= kFilterMaxCandidates && (candidates <= k || k <= kFilterMaxK);
+}
+
+/// Whether this config and cache need the wide kernel: the coarse stage ranks
+/// at most max_blocks candidates, the fine one top_k_coarse * C / F.
+inline bool wide_selection(const SparseAttentionConfig& cfg, std::int32_t max_blocks) {
+  return !fits_filter(max_blocks, cfg.top_k_coarse) ||
+         !fits_filter(std::int64_t{cfg.top_k_coarse} * cfg.slices_per_block(), cfg.top_k_fine);
+}
+
+/// Dynamic shared memory of the (wide or narrow) kernel for this config and
+/// cache.
+inline selection_smem plan_selection_smem(const SparseAttentionConfig& cfg, std::int32_t max_blocks, bool wide) {
   auto align = [](int x, int a) { return (x + a - 1) / a * a; };
   const int fine = cfg.top_k_coarse * cfg.slices_per_block();
   const int key_capacity =
-      std::max(kFilterMaxCandidates, block_topk<kSelectThreads, kSelectKeysPerThread>::sort_capacity(
-                                         std::max(cfg.top_k_coarse, cfg.top_k_fine)));
+      wide ? std::max(kFilterMaxCandidates,
+                      select_block_topk::sort_capacity(std::max(cfg.top_k_coarse, cfg.top_k_fine)))
+           : kFilterMaxCandidates;
   selection_smem s;
   int at = 0;
   s.keys = at;
@@ -473,8 +555,8 @@ inline selection_smem plan_selection_smem(const SparseAttentionConfig& cfg, std:
 }
 
 template <class Q, int D, int S>
-status launch_selection(const decode_params<Q>& p, int kv_heads, int batch, cudaStream_t stream) {
-  auto* kernel = &decode_selection_kernel<Q, D, S>;
+status launch_selection(const decode_params<Q>& p, bool wide, int kv_heads, int batch, cudaStream_t stream) {
+  auto* kernel = wide ? &decode_selection_kernel<Q, D, S, true> : &decode_selection_kernel<Q, D, S, false>;
   if (p.smem.bytes > 48 * 1024)
     HISPARSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p.smem.bytes));
   cudaLaunchConfig_t config{};
@@ -497,10 +579,11 @@ status launch_selection(const decode_params<Q>& p, int kv_heads, int batch, cuda
 
 /// Whether the binary this device runs for the cluster kernel is sm_90 or
 /// newer (a build without sm_90 code runs the single-CTA kernel on an H100).
+/// The narrow and wide kernels are built for the same architectures.
 template <class Q, int D>
 bool cluster_selection_available() {
   cudaFuncAttributes attr{};
-  if (cudaFuncGetAttributes(&attr, &decode_selection_kernel<Q, D, kSelectCluster>) != cudaSuccess) {
+  if (cudaFuncGetAttributes(&attr, &decode_selection_kernel<Q, D, kSelectCluster, false>) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
@@ -510,8 +593,8 @@ bool cluster_selection_available() {
 inline constexpr int kMaxCachedDevices = 64;
 
 template <class Q, int D>
-status launch_selection(const decode_params<Q>& p, int kv_heads, int batch, cudaStream_t stream) {
-  if (!p.in.use_clusters) return launch_selection<Q, D, 1>(p, kv_heads, batch, stream);
+status launch_selection(const decode_params<Q>& p, bool wide, int kv_heads, int batch, cudaStream_t stream) {
+  if (!p.in.use_clusters) return launch_selection<Q, D, 1>(p, wide, kv_heads, batch, stream);
   // Cached per device: 0 unknown, 1 no, 2 yes.
   static std::atomic<signed char> known[kMaxCachedDevices];
   int device = 0;
@@ -524,8 +607,8 @@ status launch_selection(const decode_params<Q>& p, int kv_heads, int batch, cuda
   } else {
     clusters = cluster_selection_available<Q, D>();
   }
-  return clusters ? launch_selection<Q, D, kSelectCluster>(p, kv_heads, batch, stream)
-                  : launch_selection<Q, D, 1>(p, kv_heads, batch, stream);
+  return clusters ? launch_selection<Q, D, kSelectCluster>(p, wide, kv_heads, batch, stream)
+                  : launch_selection<Q, D, 1>(p, wide, kv_heads, batch, stream);
 }
 
 }  // namespace detail
@@ -573,12 +656,13 @@ template <class Q>
 [[nodiscard]] status select_decode_async(const SparseAttentionConfig& cfg, const decode_selection_arguments<Q>& a,
                                          const decode_selection_output& out, cudaStream_t stream = nullptr) {
   HISPARSE_TRY(can_implement_decode_selection(cfg, a, out));
+  const bool wide = detail::wide_selection(cfg, a.max_blocks);
   const detail::decode_params<Q> p{a, out, cfg.window, cfg.top_k_coarse, cfg.top_k_fine,
-                                   detail::plan_selection_smem(cfg, a.max_blocks)};
+                                   detail::plan_selection_smem(cfg, a.max_blocks, wide)};
   switch (a.head_dim) {
-    case 64: return detail::launch_selection<Q, 64>(p, a.kv_heads, a.batch, stream);
-    case 128: return detail::launch_selection<Q, 128>(p, a.kv_heads, a.batch, stream);
-    default: return detail::launch_selection<Q, 256>(p, a.kv_heads, a.batch, stream);
+    case 64: return detail::launch_selection<Q, 64>(p, wide, a.kv_heads, a.batch, stream);
+    case 128: return detail::launch_selection<Q, 128>(p, wide, a.kv_heads, a.batch, stream);
+    default: return detail::launch_selection<Q, 256>(p, wide, a.kv_heads, a.batch, stream);
   }
 }
 
