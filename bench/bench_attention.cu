@@ -165,8 +165,8 @@ void BM_decode_step(benchmark::State& state) {
   attn.cache = args.cache;
   attn.kept_slices = sparse.kept_slices();
   attn.num_slices = sparse.num_slices();
-  attn.window_begin = sparse.window_begin();
   attn.top_k_fine = cfg.top_k_fine;
+  attn.window = cfg.window;
   attn.max_items = std::min(attention::sparse_max_items(cfg), args.cache.max_slices);
   attn.out = args.out;
   attn.lse = args.lse;
@@ -237,10 +237,55 @@ void BM_decode_step(benchmark::State& state) {
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
+/// The composed step with another attention tile policy (rows per stage,
+/// warps, stages): the sweep that picks kDecodeTile.
+template <tile_policy Tile>
+void BM_step_tile(benchmark::State& state) {
+  const int batch = static_cast<int>(state.range(0));
+  const auto context = static_cast<std::int32_t>(state.range(1));
+  const SparseAttentionConfig cfg = preset_registry{}.get(preset_id::standard);
+  decode_fixture fx(batch, context);
+  const auto args = fx.arguments();
+  cudaStream_t stream = nullptr;
+  HISPARSE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  bench::event_timer timer;
+  hierarchical_decode<bf16, Tile> sparse(cfg);
+  std::size_t bytes = 0;
+  throw_if_error(sparse.workspace_bytes(args, bytes));
+  device_array<char> ws(bytes);
+  throw_if_error(sparse.plan(args, ws.ptr, bytes, stream));
+  const replay_graph step(stream, [&](cudaStream_t s) { throw_if_error(sparse.run(s)); });
+  std::vector<double> t;
+  for (auto _ : state) {
+    t.push_back(step.step_seconds(timer, stream));
+    state.SetIterationTime(t.back());
+  }
+  const auto& plan = sparse.attention_plan();
+  state.counters["step_us"] = bench::median(t) * 1e6;
+  state.counters["splits"] = plan.splits;
+  state.counters["stages"] = plan.stages;
+  state.counters["ctas_per_sm"] = plan.ctas_per_sm;
+  HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+inline constexpr tile_policy kTile64x4x2{1, 64, 4, 2};
+inline constexpr tile_policy kTile64x4x3{1, 64, 4, 3};
+inline constexpr tile_policy kTile64x4x4{1, 64, 4, 4};
+inline constexpr tile_policy kTile32x2x4{1, 32, 2, 4};
+inline constexpr tile_policy kTile128x8x2{1, 128, 8, 2};
+
 }  // namespace
 
 BENCHMARK(BM_decode_step)->ArgNames({"B", "T", "topk"})
     ->ArgsProduct({{1, 8, 32}, {32768, 131072, 262144}, {16}})
     ->Args({8, 262144, 32})
     ->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
+#define HISPARSE_TILE_SWEEP(tile)                                                                          \
+  BENCHMARK_TEMPLATE(BM_step_tile, tile)->ArgNames({"B", "T"})->ArgsProduct({{8, 32}, {262144}})->UseManualTime() \
+      ->Iterations(30)->Unit(benchmark::kMicrosecond)
+HISPARSE_TILE_SWEEP(kTile64x4x2);
+HISPARSE_TILE_SWEEP(kTile64x4x3);
+HISPARSE_TILE_SWEEP(kTile64x4x4);
+HISPARSE_TILE_SWEEP(kTile32x2x4);
+HISPARSE_TILE_SWEEP(kTile128x8x2);
 BENCHMARK_MAIN();

@@ -68,9 +68,11 @@ TEST_CASE("decode attention plans one wave and keeps its counters in place for s
     CHECK(p.counter_offset == big.counter_offset);
     CHECK(p.counter_bytes == big.counter_bytes);
     CHECK(p.partial_offset >= p.counter_bytes);
-    // One wave of CTAs (3 per SM for 4 heads per CTA), at most 64 splits,
-    // and the splits cover every slice.
-    CHECK(std::int64_t{p.splits} * batch * 8 <= std::max<std::int64_t>(3 * kSms, batch * 8));
+    // One wave of CTAs (2 per SM: three 32 KB stages each), at most 64
+    // splits, and the splits cover every slice.
+    CHECK(p.ctas_per_sm == 2);
+    CHECK(p.stages == 3);
+    CHECK(std::int64_t{p.splits} * batch * 8 <= std::max<std::int64_t>(2 * kSms, batch * 8));
     CHECK(p.splits <= 64);
     CHECK(std::int64_t{p.splits} * p.slices_per_split >= 4096);
     CHECK(std::int64_t{p.splits - 1} * p.slices_per_split < 4096);
@@ -82,6 +84,43 @@ TEST_CASE("decode attention plans one wave and keeps its counters in place for s
   CHECK(huge.splits == 1);
   CHECK(huge.counter_bytes >= 64 * 8 * sizeof(unsigned));
   CHECK(huge.workspace_bytes == huge.counter_bytes);
+}
+
+TEST_CASE("decode attention sizes its shared-memory ring to the GPU", "[attention][plan]") {
+  // An RTX 4090 (sm_89): 100 KB per SM, 99 KB per CTA.
+  attention::gpu_limits ada;
+  ada.sms = 128;
+  ada.smem_per_sm = 100 * 1024;
+  ada.smem_per_block = 99 * 1024;
+  attention::decode_attention_plan p;
+  REQUIRE(attention::plan_decode_attention(dense_args(8, 4096), ada, p) == status::success);
+  CHECK(p.stages == 2);  // two 32 KB stages of 64 rows x 128 dims of K and V
+  CHECK(p.ctas_per_sm == 1);
+  CHECK(p.smem_bytes == 2 * 32 * 1024);
+  // head_dim 256 keeps one 64 KB stage there.
+  auto wide = dense_args(8, 4096);
+  wide.cache.head_dim = 256;
+  REQUIRE(attention::plan_decode_attention(wide, ada, p) == status::success);
+  CHECK(p.stages == 1);
+  // A user's tile: 2 warps, 32 rows per stage, 4 stages (16 KB each).
+  constexpr tile_policy narrow{1, 32, 2, 4};
+  REQUIRE(attention::plan_decode_attention<narrow>(dense_args(8, 4096), ada, p) == status::success);
+  CHECK(p.stages == 4);
+  CHECK(p.smem_bytes == 4 * 16 * 1024);
+  // A plan for one tile policy is refused by a launch with another.
+  alignas(256) static char workspace[1];
+  attention::decode_attention_plan deep;
+  constexpr tile_policy two_stages{1, 64, 4, 2};
+  REQUIRE(attention::plan_decode_attention(dense_args(8, 4096), 132, deep) == status::success);
+  CHECK(deep.stages == 3);
+  CHECK(attention::decode_attention_async<bf16, two_stages>(deep, dense_args(8, 4096), workspace) ==
+        status::invalid_argument);
+  // Too little shared memory for one stage is unsupported, and says so.
+  attention::gpu_limits tiny;
+  tiny.sms = 8;
+  tiny.smem_per_sm = tiny.smem_per_block = 16 * 1024;
+  CHECK(attention::plan_decode_attention(dense_args(8, 4096), tiny, p) == status::unsupported);
+  CHECK_THAT(last_error(), Catch::Contains("does not fit"));
 }
 
 TEST_CASE("decode attention refuses a plan made for another shape, before launching", "[attention][errors]") {

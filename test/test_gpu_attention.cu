@@ -137,7 +137,7 @@ void check_against_fp64(const test::problem<T>& p, const step_output& g, bool de
 }
 
 /// Runs the composed step (selection + attention) on the problem.
-template <class T, class Cache>
+template <class T, tile_policy Tile = attention::kDecodeTile, class Cache>
 step_output run_step(const test::problem<T>& p, Cache& cache, const std::vector<int>& slots) {
   const int B = static_cast<int>(p.lengths.size()), Hq = p.shape.num_q_heads, D = p.shape.head_dim;
   dev<std::int32_t> d_slots(std::vector<std::int32_t>(slots.begin(), slots.end()));
@@ -145,7 +145,7 @@ step_output run_step(const test::problem<T>& p, Cache& cache, const std::vector<
   dev<float> lse(static_cast<std::size_t>(B) * Hq);
   out.poison(nullptr);
   lse.poison(nullptr);
-  hierarchical_decode<T> op(p.cfg);
+  hierarchical_decode<T, Tile> op(p.cfg);
   const decode_step_arguments<T> a{.queries = d_q.ptr, .slots = d_slots.ptr, .batch = B, .num_q_heads = Hq,
                                     .cache = cache.ref(), .out = out.ptr, .lse = lse.ptr};
   std::size_t bytes = 0;
@@ -170,7 +170,8 @@ step_output run_step(const test::problem<T>& p, Cache& cache, const std::vector<
 /// Runs the dense baseline, or the attention kernel with a given number of
 /// SMs to plan for (1 forces a single split per (sequence, KV head)).
 template <class T, class Cache>
-step_output run_dense(const test::problem<T>& p, Cache& cache, const std::vector<int>& slots, int plan_sms = 0) {
+step_output run_dense(const test::problem<T>& p, Cache& cache, const std::vector<int>& slots, int plan_sms = 0,
+                      std::int32_t max_items = 0) {
   const int B = static_cast<int>(p.lengths.size()), Hq = p.shape.num_q_heads, D = p.shape.head_dim;
   dev<std::int32_t> d_slots(std::vector<std::int32_t>(slots.begin(), slots.end()));
   dev<T> d_q(p.queries), out(static_cast<std::size_t>(B) * Hq * D);
@@ -183,13 +184,14 @@ step_output run_dense(const test::problem<T>& p, Cache& cache, const std::vector
   a.batch = B;
   a.num_q_heads = Hq;
   a.cache = cache.ref();
-  a.max_items = cache.ref().max_slices;
+  a.max_items = max_items > 0 ? max_items : cache.ref().max_slices;
   a.out = out.ptr;
   a.lse = lse.ptr;
-  int sms = plan_sms;
-  if (sms == 0) REQUIRE(attention::current_device_sms(sms) == status::success);
+  attention::gpu_limits gpu;
+  REQUIRE(attention::current_gpu_limits(gpu) == status::success);
+  if (plan_sms != 0) gpu.sms = plan_sms;
   attention::decode_attention_plan plan;
-  REQUIRE(attention::plan_decode_attention(a, sms, plan) == status::success);
+  REQUIRE(attention::plan_decode_attention(a, gpu, plan) == status::success);
   if (plan_sms == 1) REQUIRE(plan.splits == (a.max_items + plan.slices_per_split - 1) / plan.slices_per_split);
   dev<char> ws(std::max<std::size_t>(plan.workspace_bytes, 1));
   REQUIRE(attention::initialize_decode_attention_workspace(plan, ws.ptr) == status::success);
@@ -310,6 +312,57 @@ TEST_CASE("split-KV merge agrees with the unsplit kernel", "[gpu][attention]") {
     REQUIRE(std::abs(few.out[i] - many.out[i]) <= std::ldexp(std::max(std::abs(few.out[i]), 1e-3), -7));
   }
   for (std::size_t i = 0; i < few.lse.size(); ++i) REQUIRE(few.lse[i] == Approx(many.lse[i]).epsilon(1e-6));
+}
+
+TEST_CASE("user tile policies: 1, 2 and 8 warps, 1 to 4 stages", "[gpu][attention]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  mr::device_pool_resource device;
+  // F = 64 with 16-row tiles (four per slice), 32-row tiles (two) and
+  // 128-row tiles (two slices each); lengths end mid-slice and mid-tile.
+  const auto p = test::make_problem<__nv_bfloat16>({16, 2, 128}, SparseAttentionConfig{}, {1, 77, 3001, 40000}, seed);
+  kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, test::cache_options(p, 40000));
+  const auto slots = test::fill(p, cache);
+  {
+    INFO("1 warp, 1 stage");
+    check_against_fp64(p, run_step<__nv_bfloat16, tile_policy{1, 16, 1, 1}>(p, cache, slots), false);
+  }
+  {
+    INFO("2 warps, 4 stages");
+    check_against_fp64(p, run_step<__nv_bfloat16, tile_policy{1, 32, 2, 4}>(p, cache, slots), false);
+  }
+  {
+    INFO("8 warps, 2 stages");
+    check_against_fp64(p, run_step<__nv_bfloat16, tile_policy{1, 128, 8, 2}>(p, cache, slots), false);
+  }
+}
+
+TEST_CASE("a sequence longer than the plan's max_items gets NaN output and LSE, the others exact results",
+          "[gpu][attention]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  mr::device_pool_resource device;
+  const auto p = test::make_problem<__nv_bfloat16>({8, 2, 64}, SparseAttentionConfig{}, {640, 9000}, seed);
+  kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, test::cache_options(p, 9000));
+  const auto slots = test::fill(p, cache);
+  // Plan for 10 slices per row: row 0 (640 tokens) fits, row 1 does not.
+  const auto g = run_dense(p, cache, slots, 0, 10);
+  const int Hq = 8, D = 64;
+  for (int qh = 0; qh < Hq; ++qh) {
+    CHECK(std::isnan(g.lse[static_cast<std::size_t>(Hq + qh)]));
+    for (int d = 0; d < D; ++d) CHECK(std::isnan(g.out[static_cast<std::size_t>((Hq + qh) * D + d)]));
+  }
+  auto first = p;
+  first.lengths = {640};
+  first.keys.resize(1);
+  first.values.resize(1);
+  first.queries.resize(static_cast<std::size_t>(Hq * D));
+  step_output head;
+  head.out.assign(g.out.begin(), g.out.begin() + Hq * D);
+  head.lse.assign(g.lse.begin(), g.lse.begin() + Hq);
+  check_against_fp64(first, head, /*dense=*/true);
 }
 
 TEST_CASE("decode step replays from a CUDA graph with new queries and tokens", "[gpu][attention]") {
@@ -520,8 +573,16 @@ TEST_CASE("decode attention rejects bad input before launching", "[gpu][attentio
   bad.out = reinterpret_cast<__nv_bfloat16*>(reinterpret_cast<char*>(out.ptr) + 2);
   CHECK(attention::plan_decode_attention(bad, 132, plan) == status::invalid_argument);
   bad = a;
-  bad.kept_slices = d_slots.ptr;  // sparse without counts and window
+  bad.top_k_fine = 16;  // sparse without a window
   CHECK(attention::plan_decode_attention(bad, 132, plan) == status::invalid_argument);
+  CHECK_THAT(last_error(), Catch::Contains("window"));
+  bad.window = 512;  // a sparse plan: launching it needs the selection's outputs
+  REQUIRE(attention::plan_decode_attention(bad, 132, plan) == status::success);
+  dev<char> ws(plan.workspace_bytes);
+  CHECK(attention::decode_attention_async(plan, bad, ws.ptr) == status::invalid_argument);
+  CHECK_THAT(last_error(), Catch::Contains("kept_slices"));
+  CHECK(attention::decode_attention_async(plan, a, ws.ptr) == status::invalid_argument);  // a dense run, sparse plan
+  REQUIRE(attention::plan_decode_attention(a, 132, plan) == status::success);
   bad = a;
   bad.layer = 1;
   CHECK(attention::plan_decode_attention(bad, 132, plan) == status::invalid_argument);

@@ -4,21 +4,31 @@
 //  * sparse: per (sequence, KV head) the kept slices of a decode selection
 //    (select/decode_selection.cuh) followed by the window [ws, length);
 //  * dense: every slice [0, length) -- the in-library baseline.
-// The unit of work is a slice (one page: F rows of K and F rows of V of one
-// KV head, each contiguous). A (sequence, KV head) has up to `max_items`
-// slices; they are cut into `splits` runs of `slices_per_split`, one CTA
-// each (flash-decoding), and the last CTA of a (sequence, KV head) to finish
-// merges the runs by log-sum-exp. All query heads of the GQA group (up to 8
-// per CTA) share every K/V load.
+// A (sequence, KV head) attends up to `max_items` slices (sparse: the kept
+// ones, then the window's); they are cut into `splits` runs of
+// `slices_per_split`, one CTA each (flash-decoding), and the last CTA of a
+// (sequence, KV head) to finish merges the runs by log-sum-exp. Up to 8
+// query heads of the GQA group share every K/V load. Launched as a
+// programmatic dependent of the selection (hierarchical_decode::run, sm_90),
+// the CTAs start while the selection drains and wait for it only before
+// reading the kept slices.
 //
-// Inside a CTA, a "reader" is D / 8 lanes (16 bytes each, one K or V row per
-// reader per load); every reader keeps its own fp32 online softmax
-// (running max, sum, output) per head over the rows it reads, with
-// `RowsInFlight` rows of K and V loaded before any is used; the readers are
-// merged in shared memory at the end. Scores use exp2 with log2(e) / sqrt(D)
-// folded into the query.
+// Inside a CTA the rows of its run stream through a ring of shared-memory
+// tiles (Tile.block_kv rows of K and of V each, Tile.stages deep): cp.async
+// keeps the next stages' rows in flight while the warps work on one, so a
+// CTA waits on memory once, not once per slice. Each warp takes 16 rows of a
+// tile on the tensor cores (mma.m16n8k16, fp32 accumulation):
+//  * scores S = Q K^T with the group's heads as the 8 live rows of A;
+//  * the output P V with the probabilities split into a high and a low half
+//    (P = hi + lo, both bf16/fp16) in A's two 8-row halves, so the product
+//    keeps ~16 bits of each probability, not 8;
+//  * an online softmax (exp2, fp32) per warp; the warps, then the CTAs, are
+//    merged by log-sum-exp.
+// The tiles are XOR-swizzled by 16-byte chunk so ldmatrix reads are free of
+// bank conflicts.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -34,12 +44,16 @@
 
 namespace hisparse::attention {
 
-/// The default decode tile: 4 warps, 4 rows of K and V in flight per reader.
-/// block_kv is the slice (the page), so it is not a free parameter here.
-inline constexpr tile_policy kDecodeTile{1, 64, 4, 4};
+/// The default decode tile: 64 rows of K and V per stage (16 per warp, 4
+/// warps), 3 stages (two tiles in flight while one is used: 96 KB for
+/// head_dim 128, two CTAs per H200 SM).
+inline constexpr tile_policy kDecodeTile{1, 64, 4, 3};
 
-/// One decode step's attention for a batch. Sparse when `kept_slices` is set
-/// (with num_slices and window_begin from the selection), dense otherwise.
+/// One decode step's attention for a batch. Sparse when `top_k_fine` > 0:
+/// the kept slices of a selection (kept_slices, num_slices) and the window
+/// of `window` tokens the contract places at the end (DESIGN.md section 1:
+/// from ws = floor((length - window) / F) * F, at least 0); dense otherwise.
+/// A plan needs only the sizes: the pointers may be null until launch.
 template <class T>
 struct decode_attention_arguments {
   const T* queries = nullptr;           ///< [batch][num_q_heads][head_dim]
@@ -48,10 +62,10 @@ struct decode_attention_arguments {
   int layer = 0;
   int num_q_heads = 0;
   kv::paged_kv_ref<T> cache{};
-  const std::int32_t* kept_slices = nullptr;   ///< [batch][kv_heads][top_k_fine], ascending, -1 padded
-  const std::int32_t* num_slices = nullptr;    ///< [batch][kv_heads]
-  const std::int32_t* window_begin = nullptr;  ///< [batch]
-  int top_k_fine = 0;
+  const std::int32_t* kept_slices = nullptr;  ///< [batch][kv_heads][top_k_fine], ascending, -1 padded
+  const std::int32_t* num_slices = nullptr;   ///< [batch][kv_heads]
+  int top_k_fine = 0;                         ///< > 0: sparse
+  int window = 0;                             ///< W, tokens (sparse)
   /// Most slices one (sequence, KV head) attends; fixes the launch grid.
   /// Sparse: top_k_fine + window slices (sparse_max_items); dense: the
   /// cache's max_slices (or fewer, if every length in the batch is known to
@@ -61,7 +75,7 @@ struct decode_attention_arguments {
   T* out = nullptr;            ///< [batch][num_q_heads][head_dim]
   float* lse = nullptr;        ///< optional [batch][num_q_heads], natural log
 
-  [[nodiscard]] HISPARSE_HOST_DEVICE bool sparse() const { return kept_slices != nullptr; }
+  [[nodiscard]] HISPARSE_HOST_DEVICE bool sparse() const { return top_k_fine > 0; }
 };
 
 /// Slices a sparse decode attends at most: the kept slices plus the window,
@@ -69,6 +83,15 @@ struct decode_attention_arguments {
 [[nodiscard]] inline std::int32_t sparse_max_items(const SparseAttentionConfig& cfg) {
   return cfg.top_k_fine + (cfg.window + cfg.fine_slice - 1 + cfg.fine_slice - 1) / cfg.fine_slice;
 }
+
+/// What a plan needs to know of the GPU. The defaults are an sm_90 part
+/// (H100/H200: 228 KB of shared memory per SM, 227 KB per CTA); an RTX 4090
+/// (sm_89) has 100 KB and 99 KB. `current_gpu_limits` reads the real ones.
+struct gpu_limits {
+  int sms = 0;
+  int smem_per_sm = 228 * 1024;
+  int smem_per_block = 227 * 1024;
+};
 
 /// Launch shape and workspace of a decode attention; `plan_decode_attention`
 /// fills it on the host without touching the device's queues.
@@ -79,10 +102,15 @@ struct decode_attention_arguments {
 /// batch planned with the same counter_batch: the counters sit at the same
 /// place, zeroed once, and every run leaves them zero.
 struct decode_attention_plan {
-  int heads_per_cta = 0;     ///< query heads of a group one CTA serves (power of two, <= 8)
-  int head_splits = 0;       ///< CTAs across one group: ceil(group / heads_per_cta)
+  int heads_per_cta = 0;     ///< query heads of a group one CTA serves (<= 8)
+  int head_splits = 0;       ///< CTAs across one group: ceil(group / 8)
   int splits = 0;            ///< CTAs along the slices of one (sequence, KV head)
   int slices_per_split = 0;
+  bool sparse = false;
+  int stages = 0;            ///< shared-memory ring depth (<= the tile policy's stages)
+  int ctas_per_sm = 0;       ///< resident CTAs per SM the grid was sized for
+  int smem_bytes = 0;        ///< dynamic shared memory per CTA
+  tile_policy tile{};        ///< the tile policy planned for (a launch must use the same)
   // The arguments' shape the plan was made for (checked at launch).
   int batch = 0, num_q_heads = 0, kv_heads = 0, head_dim = 0, counter_batch = 0;
   std::int32_t max_items = 0;
@@ -92,99 +120,213 @@ struct decode_attention_plan {
 
 namespace detail {
 
+/// Query heads one CTA serves: the 8 rows of the MMA's A operand.
 inline constexpr int kMaxHeadsPerCta = 8;
-/// CTAs per SM the kernel is compiled for and planned with, by query heads
-/// per CTA: registers hold heads x 8 query and output floats per lane, so
-/// wider groups get fewer CTAs rather than spills (at four CTAs of 4 warps,
-/// 128 registers, the 4-head kernel spilled 320 bytes, the 8-head one 2.3 KB).
-/// The plan sizes the grid to one wave of these: unplanned, B = 8 ran 1.45
-/// waves (Nsight Compute).
-HISPARSE_HOST_DEVICE constexpr int min_blocks_per_sm(int heads_per_cta) {
-  return heads_per_cta <= 2 ? 4 : heads_per_cta == 4 ? 3 : 2;
-}
 /// Most CTAs along one (sequence, KV head): the merge keeps one weight per
 /// split and head in shared memory.
 inline constexpr int kMaxSplits = 64;
-/// Page pointers a CTA fetches ahead, in parallel, before walking them.
-inline constexpr int kPageChunk = 64;
+/// Page pointers a CTA keeps in shared memory (fetched in parallel, refilled
+/// when the walk passes them): one dependent load per 128 slices, not one
+/// per slice.
+inline constexpr int kPageRing = 128;
+/// Static shared memory of the kernel, rounded up (planning only).
+inline constexpr int kStaticSmem = 4 * 1024;
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
+
+/// Rows of a tile each warp takes: one m16n8k16 k-step of P V.
+inline constexpr int kWarpRows = 16;
+
+/// CTAs per SM the kernel is compiled for (its register budget): 12 warps
+/// per SM at head_dim 64 (168 registers a thread), 8 beyond (255: at 168,
+/// head_dim 128 spilled a few bytes, 17K local requests per step in Nsight
+/// Compute). Shared memory allows no more with the default three stages:
+/// two CTAs of 96 KB per H200 SM at head_dim 128.
+HISPARSE_HOST_DEVICE constexpr int register_ctas_per_sm(int head_dim, int warps) {
+  return (head_dim <= 64 ? 12 : 8) / warps > 0 ? (head_dim <= 64 ? 12 : 8) / warps : 1;
+}
+/// Bytes of one ring stage: a tile of K and one of V.
+HISPARSE_HOST_DEVICE constexpr int stage_bytes(int rows, int head_dim, int elem_bytes) {
+  return 2 * rows * head_dim * elem_bytes;
+}
+/// Bytes the merge of the warps needs (it reuses the ring): per warp and
+/// head the running max and sum, and the output row (padded by 8 floats).
+HISPARSE_HOST_DEVICE constexpr int warp_merge_bytes(int warps, int head_dim) {
+  return warps * kMaxHeadsPerCta * (2 + head_dim + 8) * 4;
+}
 
 template <class T>
 struct decode_attention_params {
   decode_attention_arguments<T> a;
-  int group, head_splits, splits, slices_per_split;
+  int group, head_splits, splits, slices_per_split, stages;
   float scale_log2;  ///< softmax scale * log2(e)
   float* partial_out;      ///< [batch][num_q_heads][splits][head_dim]
   float* partial_lse;      ///< [batch][num_q_heads][splits], log2 domain
   unsigned* counters;      ///< [batch][kv_heads * head_splits], zero between runs
 };
 
-/// Converts 16 bytes of T to kVec floats.
-template <class T, int kVec>
-__device__ __forceinline__ void unpack(const uint4& raw, float (&f)[kVec]) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    const std::uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {  // a bf16 is the high half of its fp32
-      f[2 * i] = __uint_as_float(w[i] << 16);
-      f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+// ---- PTX wrappers (sm_80+: cp.async, ldmatrix, mma.sync; sm_90: griddepcontrol)
+
+__device__ __forceinline__ unsigned smem_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+/// 16 bytes global -> shared, bypassing L1; src_bytes = 0 writes zeros.
+__device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+/// Waits until at most `pending` (a run-time value below MaxStages) groups
+/// of this thread's copies are still in flight.
+template <int MaxStages>
+__device__ __forceinline__ void cp_async_wait_at_most(int pending) {
+  if constexpr (MaxStages > 1) {
+    if (pending >= MaxStages - 2) {
+      cp_async_wait<(MaxStages > 2 ? MaxStages - 2 : 0)>();
+      return;
     }
+    cp_async_wait_at_most<MaxStages - 1>(pending);
   } else {
-    T e[kVec];
-    std::memcpy(e, &raw, 16);
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) f[i] = to_float(e[i]);
+    cp_async_wait<0>();
   }
 }
-
-/// The item-th slice a (sequence, KV head) attends: kept slices first, then
-/// the window's (or, dense, slice `item`).
-__device__ __forceinline__ std::int32_t slice_of_item(const std::int32_t* kept, int n_kept, std::int32_t first_window,
-                                                      int item) {
-  return item < n_kept ? kept[item] : first_window + (item - n_kept);
+__device__ __forceinline__ void ldmatrix_x4(unsigned addr, unsigned (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned addr, unsigned (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+/// d = A B + c for one m16n8k16 tile, fp32 accumulation.
+template <class T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1,
+                                          const float (&c)[4]) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%10, %11, %12, %13};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+          "f"(c[3]));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%10, %11, %12, %13};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+          "f"(c[3]));
+  }
+}
+/// Two floats as a T pair in one register (x in the low half), rounded.
+template <class T>
+__device__ __forceinline__ unsigned pack2(float x, float y) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<const unsigned*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(x, y);
+    return *reinterpret_cast<const unsigned*>(&v);
+  }
+}
+/// The rounding error of pack2's halves, as a second pair: x = hi + lo to
+/// about twice the type's precision.
+template <class T>
+__device__ __forceinline__ unsigned pack2_residual(float x, float y, unsigned hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const float2 h = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&hi));
+    return pack2<T>(x - h.x, y - h.y);
+  } else {
+    const float2 h = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+    return pack2<T>(x - h.x, y - h.y);
+  }
+}
+/// Programmatic dependent launch (sm_90+): wait until the grid this one may
+/// overlap (the selection) has finished and its writes are visible. A no-op
+/// when the launch was not programmatic, and on older architectures (which
+/// are never launched that way).
+__device__ __forceinline__ void wait_for_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
 }
 
 /// Grid: x = split, y = KV head * head_splits + head split, z = batch row.
-template <class T, int D, int GT, int Warps, int Rows>
-__global__ void __launch_bounds__(Warps * 32, min_blocks_per_sm(GT)) decode_attention_kernel(const __grid_constant__ decode_attention_params<T> p) {
+/// Dynamic shared memory: the ring, `stages` x (K tile | V tile), each tile
+/// kTileRows x D elements, 16-byte chunk c of row r stored at c ^ (r & 7).
+template <class T, int D, int Warps, int MaxStages>
+__global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
+    decode_attention_kernel(const __grid_constant__ decode_attention_params<T> p) {
   constexpr int kThreads = Warps * 32;
-  constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte load
-  constexpr int kLanes = D / kVec;                         // lanes per reader: one row
-  constexpr int kReaders = kThreads / kLanes;
-  static_assert(kLanes <= 32 && 32 % kLanes == 0, "a reader is a power-of-two part of a warp");
+  constexpr int kTileRows = Warps * kWarpRows;
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte chunk
+  constexpr int kChunks = D / kVec;                        // chunks per row
+  constexpr int kRowBytes = D * static_cast<int>(sizeof(T));
+  constexpr int kTileBytes = kTileRows * kRowBytes;
+  constexpr int kRowsPerPass = kThreads / kChunks;  // rows one pass of the CTA copies
+  constexpr int kPasses = kTileRows / kRowsPerPass;
+  constexpr int kKSteps = D / 16;   // k-steps of Q K^T
+  constexpr int kNTiles = D / 8;    // n-tiles of P V
+  constexpr int kHeads = kMaxHeadsPerCta;
+  constexpr int kMergeStride = D + 8;  // floats per (warp, head) output row in the merge
+  static_assert(kChunks >= 8 && kThreads % kChunks == 0 && kTileRows % kRowsPerPass == 0,
+                "a row is at least 8 chunks (the swizzle) and a pass covers whole rows");
   const float kNegInf = -__int_as_float(0x7f800000);
 
-  struct reader_state {
-    float m[kReaders][GT];
-    float l[kReaders][GT];
-  };
-  __shared__ reader_state rs;
-  __shared__ float racc[kReaders][GT][D];
+  extern __shared__ __align__(128) unsigned char ring[];
+  __shared__ const T* pages[kPageRing];
+  __shared__ float merge_w[kHeads][kMaxSplits];
+  __shared__ float merge_lse[kHeads];
   __shared__ bool last_cta;
-  __shared__ const T* chunk_pages[kPageChunk];
-  __shared__ std::int32_t chunk_slices[kPageChunk];
-  __shared__ float merge_w[GT][kMaxSplits];
-  __shared__ float merge_lse[GT];
 
   const auto& a = p.a;
   const auto& c = a.cache;
   const int split = blockIdx.x, b = blockIdx.z;
   const int h = static_cast<int>(blockIdx.y) / p.head_splits, hs = static_cast<int>(blockIdx.y) % p.head_splits;
-  const int g0 = hs * GT, heads = min(GT, p.group - g0);
-  const int seq = a.slots[b];
-  const std::int32_t len = c.lengths[std::int64_t{seq} * c.layers + a.layer];
-  const int F = c.fine_slice;
-  const std::int64_t at = std::int64_t{b} * c.kv_heads + h;
-  const std::int32_t* kept = a.sparse() ? a.kept_slices + at * a.top_k_fine : nullptr;
-  const int n_kept = a.sparse() ? a.num_slices[at] : 0;
-  const std::int32_t first_window = a.sparse() ? a.window_begin[b] / F : 0;
-  const std::int32_t end_slice = (len + F - 1) / F;
-  const int items = n_kept + (end_slice - first_window);
-  const int active = (items + p.slices_per_split - 1) / p.slices_per_split;
+  const int g0 = hs * kHeads, heads = min(kHeads, p.group - g0);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int qh = lane >> 2, qc = (lane & 3) * 2;  // the MMA row (head) and column pair of this lane
   const std::int64_t q_row0 = std::int64_t{b} * a.num_q_heads + std::int64_t{h} * p.group + g0;
 
-  if (items <= 0 || len <= 0) {  // nothing stored: a zero output, lse -inf
+  // Inputs the step's producer (the selection) does not write: read them
+  // before waiting on it.
+  const int seq = a.slots[b];
+  const std::int32_t len = c.lengths[std::int64_t{seq} * c.layers + a.layer];
+  // Q as the A operand of S = Q K^T: lane holds head qh, dims 16k + qc (+1)
+  // and 16k + 8 + qc (+1); rows 8-15 of A are zero.
+  unsigned qa[kKSteps][2];
+  {
+    const bool live = qh < heads;
+    const auto* qrow = reinterpret_cast<const unsigned*>(a.queries + (q_row0 + (live ? qh : 0)) * D);
+#pragma unroll
+    for (int k = 0; k < kKSteps; ++k) {
+      qa[k][0] = live ? qrow[(16 * k + qc) / 2] : 0u;
+      qa[k][1] = live ? qrow[(16 * k + 8 + qc) / 2] : 0u;
+    }
+  }
+  const int F = c.fine_slice;
+  const std::int64_t at = std::int64_t{b} * c.kv_heads + h;
+  const std::int32_t end_slice = (len + F - 1) / F;
+  std::int32_t first_window = 0;  // sparse: ws / F (DESIGN.md section 1, decode)
+  if (a.sparse()) {
+    const std::int32_t x = len - a.window;
+    first_window = x <= 0 ? 0 : x / F;
+  }
+  const int window_items = end_slice - first_window;  // dense: every slice
+
+  if (a.sparse()) wait_for_prior_grid();  // the selection's outputs
+  const int n_kept = a.sparse() ? a.num_slices[at] : 0;
+  const std::int32_t* kept = a.sparse() ? a.kept_slices + at * a.top_k_fine : nullptr;
+  const int items = n_kept + window_items;  // kept slices first, then the window's
+  const int active = (items + p.slices_per_split - 1) / p.slices_per_split;
+  if (len <= 0) {  // nothing stored: a zero output, lse -inf
     if (split == 0)
       for (int i = threadIdx.x; i < heads * D; i += kThreads) {
         a.out[(q_row0 + i / D) * D + i % D] = from_float<T>(0.0f);
@@ -192,145 +334,187 @@ __global__ void __launch_bounds__(Warps * 32, min_blocks_per_sm(GT)) decode_atte
       }
     return;
   }
-  if (split >= active) return;
-  if (active > p.splits) {  // more slices than the plan's max_items: say so loudly, never drop any
-    for (int i = threadIdx.x; i < heads * D; i += kThreads)
-      a.out[(q_row0 + i / D) * D + i % D] = from_float<T>(__int_as_float(0x7fffffff));
+  if (active > p.splits) {  // more slices than the plan's max_items: NaN output and LSE, never a silent drop
+    if (split == 0)
+      for (int i = threadIdx.x; i < heads * D; i += kThreads) {
+        a.out[(q_row0 + i / D) * D + i % D] = from_float<T>(__int_as_float(0x7fffffff));
+        if (a.lse != nullptr && i % D == 0) a.lse[q_row0 + i / D] = __int_as_float(0x7fffffff);
+      }
     return;
   }
+  if (split >= active) return;
 
-  const int lane_in_reader = threadIdx.x % kLanes, reader = threadIdx.x / kLanes;
-  const int d0 = lane_in_reader * kVec;
-  float q[GT][kVec];
-#pragma unroll
-  for (int g = 0; g < GT; ++g) {
-    if (g < heads) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(a.queries + (q_row0 + g) * D + d0);
-      unpack<T, kVec>(raw, q[g]);
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) q[g][e] *= p.scale_log2;
-    } else {
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) q[g][e] = 0.0f;
-    }
-  }
-  float m[GT], l[GT], acc[GT][kVec];
-#pragma unroll
-  for (int g = 0; g < GT; ++g) {
-    m[g] = kNegInf;
-    l[g] = 0.0f;
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) acc[g][e] = 0.0f;
-  }
-
+  // This CTA's rows: the slices [item_begin, item_end) back to back; only
+  // the sequence's last slice (the last item) can be partial.
   const int item_begin = split * p.slices_per_split;
   const int item_end = min(items, item_begin + p.slices_per_split);
-  const std::int64_t tile = std::int64_t{F} * D;
-  for (int chunk = item_begin; chunk < item_end; chunk += kPageChunk) {
-    // Fetch the chunk's slice ids and page pointers in parallel, so the walk
-    // below waits on K/V loads only, not on a page-table load per slice.
-    const int n = min(kPageChunk, item_end - chunk);
-    __syncthreads();  // the previous chunk is no longer read
-    for (int i = threadIdx.x; i < n; i += kThreads) {
-      const std::int32_t slice = slice_of_item(kept, n_kept, first_window, chunk + i);
-      chunk_slices[i] = slice;
-      chunk_pages[i] = c.page_table[c.table_index(seq, a.layer, slice)];
+  const int rows = (item_end - item_begin) * F - (item_end == items ? end_slice * F - len : 0);
+  const int tiles = (rows + kTileRows - 1) / kTileRows;
+  const int f_shift = (F & (F - 1)) == 0 ? __ffs(F) - 1 : -1;
+  const std::int64_t head_tile = std::int64_t{F} * D;
+  const std::int64_t v_offset = std::int64_t{c.kv_heads} * head_tile;
+  const unsigned ring_base = smem_address(ring);
+  const int stages = p.stages;
+
+  int page_base = -kPageRing - 1;  // the ring holds the pages of items page_base + [0, kPageRing)
+  const int chunk = threadIdx.x % kChunks, row_in_pass = threadIdx.x / kChunks;
+  // Issues tile t's copies into ring stage `stage`: this thread's chunk of
+  // kPasses rows of K and of V; rows past the run are zero-filled.
+  auto issue = [&](int t, int stage) {
+    const int row0 = t * kTileRows;
+    const int first = row0 / F, last = (min(rows, row0 + kTileRows) - 1) / F;  // items, relative
+    if (first < page_base || last >= page_base + kPageRing) {  // uniform across the CTA
+      __syncthreads();  // nobody still reads the old pointers
+      page_base = first;
+      for (int i = threadIdx.x; i < kPageRing; i += kThreads) {
+        const int item = item_begin + page_base + i;
+        if (item < item_end)
+          pages[i] = c.page_table[c.table_index(seq, a.layer, item < n_kept ? kept[item] : first_window + item - n_kept)];
+      }
+      __syncthreads();
     }
-    __syncthreads();
-    for (int j = 0; j < n; ++j) {
-      const std::int32_t slice = chunk_slices[j];
-      const T* page = chunk_pages[j];
-      const T* ktile = page + h * tile + d0;
-      const T* vtile = page + (c.kv_heads + h) * tile + d0;
-      const int rows = min(F, len - slice * F);
-      // The trip count is the same for every thread (the readers of a warp
-      // shuffle together); rows past the end are masked.
-      for (int r0 = reader; r0 - reader < rows; r0 += kReaders * Rows) {
-        uint4 kraw[Rows], vraw[Rows];
+    const unsigned kdst = ring_base + static_cast<unsigned>(stage * 2 * kTileBytes);
 #pragma unroll
-        for (int u = 0; u < Rows; ++u) {
-          const int r = r0 + u * kReaders;
-          if (r < rows) {
-            kraw[u] = __ldg(reinterpret_cast<const uint4*>(ktile + std::int64_t{r} * D));
-            vraw[u] = __ldg(reinterpret_cast<const uint4*>(vtile + std::int64_t{r} * D));
-          }
-        }
-        float s[Rows][GT];
-#pragma unroll
-        for (int u = 0; u < Rows; ++u) {
-          float k[kVec];
-          if (r0 + u * kReaders < rows) unpack<T, kVec>(kraw[u], k);
-#pragma unroll
-          for (int g = 0; g < GT; ++g) {
-            float dot = 0.0f;
-            if (r0 + u * kReaders < rows)
-#pragma unroll
-              for (int e = 0; e < kVec; ++e) dot = fmaf(q[g][e], k[e], dot);
-#pragma unroll
-            for (int off = kLanes / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, off);
-            s[u][g] = r0 + u * kReaders < rows ? dot : kNegInf;
-          }
-        }
-#pragma unroll
-        for (int g = 0; g < GT; ++g) {
-          float mx = m[g];
-#pragma unroll
-          for (int u = 0; u < Rows; ++u) mx = fmaxf(mx, s[u][g]);
-          if (mx == kNegInf) continue;  // every row masked so far (NaN scores propagate)
-          const float corr = exp2f(m[g] - mx);
-          l[g] *= corr;
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) acc[g][e] *= corr;
-          m[g] = mx;
-        }
-#pragma unroll
-        for (int u = 0; u < Rows; ++u) {
-          if (r0 + u * kReaders >= rows) continue;
-          float v[kVec];
-          unpack<T, kVec>(vraw[u], v);
-#pragma unroll
-          for (int g = 0; g < GT; ++g) {
-            const float pr = exp2f(s[u][g] - m[g]);
-            l[g] += pr;
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) acc[g][e] = fmaf(pr, v[e], acc[g][e]);
-          }
-        }
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int r = row_in_pass + pass * kRowsPerPass;
+      const int g = row0 + r;
+      const unsigned off = static_cast<unsigned>(r * kRowBytes + ((chunk ^ (r & 7)) << 4));
+      if (g < rows) {
+        const int item = f_shift >= 0 ? g >> f_shift : g / F;
+        const int rr = g - item * F;
+        const T* src = pages[item - page_base] + h * head_tile + std::int64_t{rr} * D + chunk * kVec;
+        cp_async_16(kdst + off, src, 16);
+        cp_async_16(kdst + kTileBytes + off, src + v_offset, 16);
+      } else {
+        cp_async_16(kdst + off, a.queries, 0);
+        cp_async_16(kdst + kTileBytes + off, a.queries, 0);
       }
     }
-  }
+  };
 
-  // Merge the readers: per head, rescale every reader to the common max.
-  if (lane_in_reader == 0)
+  float m = kNegInf, l = 0.0f;  // running max (log2 domain) and this lane's part of the sum, head qh
+  float o[kNTiles][2];          // head qh, dims 8n + qc (+1)
 #pragma unroll
-    for (int g = 0; g < GT; ++g) {
-      rs.m[reader][g] = m[g];
-      rs.l[reader][g] = l[g];
+  for (int n = 0; n < kNTiles; ++n) o[n][0] = o[n][1] = 0.0f;
+  // ldmatrix addresses: K (non-transposed) lane row = warp row + 8 (lane / 16) + lane % 8,
+  // chunk half (lane / 8) % 2; V (transposed) row = warp row + 8 ((lane / 8) % 2) + lane % 8,
+  // chunk half lane / 16. Every row's swizzle is lane & 7.
+  const int wrow = warp * kWarpRows;
+  const unsigned k_lane = static_cast<unsigned>((wrow + ((lane >> 4) << 3) + (lane & 7)) * kRowBytes);
+  const unsigned v_lane = static_cast<unsigned>(kTileBytes + (wrow + (((lane >> 3) & 1) << 3) + (lane & 7)) * kRowBytes);
+  const int k_half = (lane >> 3) & 1, v_half = lane >> 4, swz = lane & 7;
+
+  for (int s = 0; s < stages - 1; ++s) {
+    if (s < tiles) issue(s, s);
+    cp_async_commit();
+  }
+  for (int t = 0; t < tiles; ++t) {
+    const int stage = t % stages;
+    if (stages == 1) {
+      __syncthreads();  // the single stage is free
+      issue(t, 0);
+      cp_async_commit();
     }
+    cp_async_wait_at_most<MaxStages>(stages >= 2 ? stages - 2 : 0);
+    __syncthreads();  // tile t is in for every thread; stage (t - 1) % stages is free
+    if (stages >= 2) {
+      if (t + stages - 1 < tiles) issue(t + stages - 1, (t + stages - 1) % stages);
+      cp_async_commit();
+    }
+
+    const unsigned base = ring_base + static_cast<unsigned>(stage * 2 * kTileBytes);
+    // S = Q K^T over this warp's 16 rows: two n-tiles of 8 rows.
+    float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
-  for (int g = 0; g < GT; ++g)
+    for (int k = 0; k < kKSteps; ++k) {
+      unsigned bk[4];
+      ldmatrix_x4(base + k_lane + static_cast<unsigned>(((2 * k + k_half) ^ swz) << 4), bk);
+      const unsigned qa4[4] = {qa[k][0], 0u, qa[k][1], 0u};
+      mma_16816<T>(sc[0], qa4, bk[0], bk[1], sc[0]);
+      mma_16816<T>(sc[1], qa4, bk[2], bk[3], sc[1]);
+    }
+    // Online softmax for head qh over rows 8j + qc (+1); rows past the run
+    // are masked. The four lanes of a head agree on the max.
+    const int grow = t * kTileRows + wrow + qc;
+    float s[2][2], mx = kNegInf;
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) racc[reader][g][d0 + e] = acc[g][e];
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        s[j][e] = grow + 8 * j + e < rows ? sc[j][e] * p.scale_log2 : kNegInf;
+        mx = fmaxf(mx, s[j][e]);
+      }
+    mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
+    const float m_new = fmaxf(m, mx);
+    const float m_use = m_new == kNegInf ? 0.0f : m_new;  // every row masked so far: all weights 0
+    const float corr = exp2f(m - m_use);
+    float pr[2][2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) pr[j][e] = exp2f(s[j][e] - m_use);
+    l = l * corr + (pr[0][0] + pr[0][1]) + (pr[1][0] + pr[1][1]);
+    m = m_new;
+    // O = O corr + P V: P's high half in A's rows 0-7, its rounding error in
+    // rows 8-15; the two halves of each output are added.
+    unsigned pa[4];
+    pa[0] = pack2<T>(pr[0][0], pr[0][1]);
+    pa[1] = pack2_residual<T>(pr[0][0], pr[0][1], pa[0]);
+    pa[2] = pack2<T>(pr[1][0], pr[1][1]);
+    pa[3] = pack2_residual<T>(pr[1][0], pr[1][1], pa[2]);
+#pragma unroll
+    for (int n2 = 0; n2 < kNTiles / 2; ++n2) {
+      unsigned bv[4];
+      ldmatrix_x4_trans(base + v_lane + static_cast<unsigned>(((2 * n2 + v_half) ^ swz) << 4), bv);
+      const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      float d[4];
+      mma_16816<T>(d, pa, bv[0], bv[1], zero);
+      o[2 * n2][0] = fmaf(o[2 * n2][0], corr, d[0] + d[2]);
+      o[2 * n2][1] = fmaf(o[2 * n2][1], corr, d[1] + d[3]);
+      mma_16816<T>(d, pa, bv[2], bv[3], zero);
+      o[2 * n2 + 1][0] = fmaf(o[2 * n2 + 1][0], corr, d[0] + d[2]);
+      o[2 * n2 + 1][1] = fmaf(o[2 * n2 + 1][1], corr, d[1] + d[3]);
+    }
+  }
+  l += __shfl_xor_sync(0xFFFFFFFFu, l, 1);
+  l += __shfl_xor_sync(0xFFFFFFFFu, l, 2);
+
+  // Merge the warps in the (drained) ring: per head, rescale every warp to
+  // the common max.
+  cp_async_wait<0>();
+  __syncthreads();
+  auto* wm = reinterpret_cast<float*>(ring);            // [Warps][kHeads]
+  auto* wl = wm + Warps * kHeads;                       // [Warps][kHeads]
+  auto* wo = wl + Warps * kHeads;                       // [Warps][kHeads][kMergeStride]
+  if ((lane & 3) == 0) {
+    wm[warp * kHeads + qh] = m;
+    wl[warp * kHeads + qh] = l;
+  }
+#pragma unroll
+  for (int n = 0; n < kNTiles; ++n)
+    *reinterpret_cast<float2*>(wo + (warp * kHeads + qh) * kMergeStride + 8 * n + qc) = make_float2(o[n][0], o[n][1]);
   __syncthreads();
 
   const bool single = active == 1;
   for (int i = threadIdx.x; i < heads * D; i += kThreads) {
     const int g = i / D, d = i % D;
     float mx = kNegInf;
-    for (int r = 0; r < kReaders; ++r) mx = fmaxf(mx, rs.m[r][g]);
-    float sum = 0.0f, o = 0.0f;
-    for (int r = 0; r < kReaders; ++r) {
-      const float w = rs.m[r][g] == kNegInf ? 0.0f : exp2f(rs.m[r][g] - mx);
-      sum += rs.l[r][g] * w;
-      o += racc[r][g][d] * w;
+    for (int w = 0; w < Warps; ++w) mx = fmaxf(mx, wm[w * kHeads + g]);
+    float sum = 0.0f, out = 0.0f;
+    for (int w = 0; w < Warps; ++w) {
+      const float mw = wm[w * kHeads + g];
+      const float f = mw == kNegInf ? 0.0f : exp2f(mw - mx);
+      sum += wl[w * kHeads + g] * f;
+      out += wo[(w * kHeads + g) * kMergeStride + d] * f;
     }
     const float lse2 = mx + log2f(sum);
     const std::int64_t row = q_row0 + g;
     if (single) {
-      a.out[row * D + d] = from_float<T>(o / sum);
+      a.out[row * D + d] = from_float<T>(out / sum);
       if (a.lse != nullptr && d == 0) a.lse[row] = lse2 * kLn2;
     } else {
-      p.partial_out[(row * p.splits + split) * D + d] = o / sum;
+      p.partial_out[(row * p.splits + split) * D + d] = out / sum;
       if (d == 0) p.partial_lse[row * p.splits + split] = lse2;
     }
   }
@@ -338,7 +522,7 @@ __global__ void __launch_bounds__(Warps * 32, min_blocks_per_sm(GT)) decode_atte
 
   // Flash-decoding merge by the last CTA of this (sequence, KV head, head
   // split) to finish: publish the partials, count arrivals, and the last
-  // one combines every split and resets the counter for the next run.
+  // one combines every run and resets the counter for the next run.
   __threadfence();
   __syncthreads();
   unsigned* counter = p.counters + std::int64_t{b} * gridDim.y + blockIdx.y;
@@ -368,32 +552,63 @@ __global__ void __launch_bounds__(Warps * 32, min_blocks_per_sm(GT)) decode_atte
     const int g = i / D, d = i % D;
     const std::int64_t row = q_row0 + g;
     const float* part = p.partial_out + row * p.splits * D + d;
-    float o = 0.0f;
+    float out = 0.0f;
 #pragma unroll 8
-    for (int sp = 0; sp < active; ++sp) o = fmaf(merge_w[g][sp], __ldcg(part + std::int64_t{sp} * D), o);
-    a.out[row * D + d] = from_float<T>(o);
+    for (int sp = 0; sp < active; ++sp) out = fmaf(merge_w[g][sp], __ldcg(part + std::int64_t{sp} * D), out);
+    a.out[row * D + d] = from_float<T>(out);
     if (a.lse != nullptr && d == 0) a.lse[row] = merge_lse[g] * kLn2;
   }
   if (threadIdx.x == 0) *counter = 0;
 }
 
-template <class T, int D, int GT, tile_policy Tile>
-status launch_decode_attention(const decode_attention_params<T>& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.a.cache.kv_heads * p.head_splits),
-                  static_cast<unsigned>(p.a.batch));
-  decode_attention_kernel<T, D, GT, Tile.warps, Tile.stages><<<grid, Tile.threads(), 0, stream>>>(p);
-  HISPARSE_CUDA_TRY(cudaGetLastError());
-  return status::success;
+/// Whether this device runs an sm_90+ build of the kernel (and so honours
+/// griddepcontrol.wait); cached per device. A programmatic launch of a build
+/// without it would read the selection before it is written.
+template <class T, int D, tile_policy Tile>
+bool programmatic_launch_available() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<signed char> known[kMaxDevices];  // 0 unknown, 1 no, 2 yes
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  auto query = [] {
+    cudaFuncAttributes attr{};
+    if (cudaFuncGetAttributes(&attr, &decode_attention_kernel<T, D, Tile.warps, Tile.stages>) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return attr.binaryVersion >= 90;
+  };
+  if (device >= kMaxDevices) return query();
+  signed char k = known[device].load(std::memory_order_relaxed);
+  if (k == 0) known[device].store(k = query() ? 2 : 1, std::memory_order_relaxed);
+  return k == 2;
 }
 
 template <class T, int D, tile_policy Tile>
-status dispatch_heads_per_cta(int gt, const decode_attention_params<T>& p, cudaStream_t stream) {
-  switch (gt) {
-    case 1: return launch_decode_attention<T, D, 1, Tile>(p, stream);
-    case 2: return launch_decode_attention<T, D, 2, Tile>(p, stream);
-    case 4: return launch_decode_attention<T, D, 4, Tile>(p, stream);
-    default: return launch_decode_attention<T, D, 8, Tile>(p, stream);
+status launch_decode_attention(const decode_attention_params<T>& p, int smem_bytes, bool overlap_previous,
+                               cudaStream_t stream) {
+  auto* kernel = &decode_attention_kernel<T, D, Tile.warps, Tile.stages>;
+  // Always: the static shared memory counts toward the 48 KB default too
+  // (48 KB of ring at head_dim 64 failed to launch without this).
+  HISPARSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.a.cache.kv_heads * p.head_splits),
+                        static_cast<unsigned>(p.a.batch));
+  config.blockDim = dim3(static_cast<unsigned>(Tile.threads()));
+  config.dynamicSmemBytes = static_cast<std::size_t>(smem_bytes);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  if (overlap_previous && programmatic_launch_available<T, D, Tile>()) {
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
   }
+  HISPARSE_CUDA_TRY(cudaLaunchKernelEx(&config, kernel, p));
+  return status::success;
 }
 
 }  // namespace detail
@@ -410,8 +625,7 @@ template <class T>
   if (a.queries == nullptr || a.slots == nullptr || a.out == nullptr) return bad("queries, slots and out must be set");
   if (c.page_table == nullptr || c.lengths == nullptr) return bad("the cache view is empty");
   if (a.layer < 0 || a.layer >= c.layers) return bad("layer out of range");
-  if (a.sparse() && (a.num_slices == nullptr || a.window_begin == nullptr || a.top_k_fine < 1))
-    return bad("a sparse run needs num_slices, window_begin and top_k_fine");
+  if (a.sparse() && a.window < 1) return bad("a sparse run needs the window (tokens, >= 1)");
   auto aligned = [](const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0; };
   if (!aligned(a.queries) || !aligned(a.out)) return bad("queries and out must be 16-byte aligned");
   if (a.max_items < 1 || a.max_items > c.max_slices)
@@ -421,23 +635,38 @@ template <class T>
   return status::success;
 }
 
-/// Launch shape for `a` on a GPU with `num_sms` multiprocessors: one wave of
-/// CTAs (min_blocks_per_sm per SM), never fewer than one slice per CTA, at
+/// Launch shape for `a` with tile policy `Tile` on a GPU described by
+/// `gpu`: as many CTAs as fit on it at once (one wave; shared memory and
+/// registers decide how many per SM), never fewer than one slice per CTA, at
 /// most 64 splits. `counter_batch` (default: a.batch) sizes the merge
 /// counters for the largest batch the workspace will serve.
-template <class T>
-[[nodiscard]] status plan_decode_attention(const decode_attention_arguments<T>& a, int num_sms,
+template <tile_policy Tile = kDecodeTile, class T>
+[[nodiscard]] status plan_decode_attention(const decode_attention_arguments<T>& a, const gpu_limits& gpu,
                                            decode_attention_plan& plan, int counter_batch = 0) {
+  static_assert(valid_tile_policy_v<Tile>);
   HISPARSE_TRY(can_implement_decode_attention(a));
   const int group = a.num_q_heads / a.cache.kv_heads;
-  plan.heads_per_cta = 1;
-  while (plan.heads_per_cta < std::min(group, detail::kMaxHeadsPerCta)) plan.heads_per_cta *= 2;
-  plan.head_splits = (group + plan.heads_per_cta - 1) / plan.heads_per_cta;
-  // As many splits as fill one wave (min_blocks_per_sm CTAs on every SM), not
-  // more: a second, partial wave costs a whole CTA lifetime.
+  plan.heads_per_cta = std::min(group, detail::kMaxHeadsPerCta);
+  plan.head_splits = (group + detail::kMaxHeadsPerCta - 1) / detail::kMaxHeadsPerCta;
+  // The ring: as many of the policy's stages as one CTA's shared memory holds.
+  const int stage = detail::stage_bytes(Tile.warps * detail::kWarpRows, a.cache.head_dim, static_cast<int>(sizeof(T)));
+  const int room = gpu.smem_per_block - detail::kStaticSmem;
+  plan.tile = Tile;
+  plan.stages = std::min(Tile.stages, room / stage);
+  if (plan.stages < 1)
+    return fail(status::unsupported, "decode attention: one stage of " + std::to_string(stage) +
+                                         " bytes does not fit the GPU's " + std::to_string(gpu.smem_per_block) +
+                                         " bytes of shared memory per CTA (use fewer warps per tile)");
+  plan.smem_bytes = std::max(plan.stages * stage, detail::warp_merge_bytes(Tile.warps, a.cache.head_dim));
+  plan.ctas_per_sm = std::max(1, std::min(detail::register_ctas_per_sm(a.cache.head_dim, Tile.warps),
+                                          gpu.smem_per_sm / (plan.smem_bytes + detail::kStaticSmem)));
+  // As many splits as fill one wave, not more: a second, partial wave costs
+  // a whole CTA lifetime. (Running the window's runs beside the selection
+  // and only the kept ones after it measured slower: 59.4 against 52.0 us
+  // per step at B = 8, T = 256K; the extra CTAs took a second wave.)
+  plan.sparse = a.sparse();
   const std::int64_t per_split = std::int64_t{a.batch} * a.cache.kv_heads * plan.head_splits;
-  const std::int64_t want =
-      std::max<std::int64_t>(1, std::int64_t{detail::min_blocks_per_sm(plan.heads_per_cta)} * std::max(num_sms, 1) / per_split);
+  const std::int64_t want = std::max<std::int64_t>(1, std::int64_t{plan.ctas_per_sm} * std::max(gpu.sms, 1) / per_split);
   const std::int64_t splits_wanted = std::min<std::int64_t>(want, detail::kMaxSplits);
   plan.slices_per_split = static_cast<int>(std::max<std::int64_t>(1, (a.max_items + splits_wanted - 1) / splits_wanted));
   plan.splits = (a.max_items + plan.slices_per_split - 1) / plan.slices_per_split;
@@ -464,6 +693,16 @@ template <class T>
   return status::success;
 }
 
+/// The same for an sm_90-class GPU with `num_sms` multiprocessors (host-side
+/// planning without a device; runtime code passes current_gpu_limits).
+template <tile_policy Tile = kDecodeTile, class T>
+[[nodiscard]] status plan_decode_attention(const decode_attention_arguments<T>& a, int num_sms,
+                                           decode_attention_plan& plan, int counter_batch = 0) {
+  gpu_limits gpu;
+  gpu.sms = num_sms;
+  return plan_decode_attention<Tile>(a, gpu, plan, counter_batch);
+}
+
 /// Zeroes the merge counters of a fresh workspace (once; every run leaves
 /// them zero again). Stream-ordered.
 [[nodiscard]] inline status initialize_decode_attention_workspace(const decode_attention_plan& plan, void* workspace,
@@ -478,29 +717,43 @@ template <class T>
 /// (capturable in a CUDA graph; slots, lengths and the selection are read on
 /// the device at run time). `workspace` holds plan.workspace_bytes,
 /// initialized once by initialize_decode_attention_workspace; two runs that
-/// share a workspace must be stream-ordered.
+/// share a workspace must be stream-ordered. The plan must come from
+/// plan_decode_attention with the same Tile.
+///
+/// `overlap_previous`: on sm_90, launch as a programmatic dependent of the
+/// kernel launched just before on `stream`, so this one's CTAs start (and
+/// read queries, slots and lengths) while that one drains, and wait for it
+/// only before reading the selection. Pass true only when that kernel is the
+/// selection feeding this run and writes nothing else this run reads
+/// (hierarchical_decode::run does).
 template <class T, tile_policy Tile = kDecodeTile>
 [[nodiscard]] status decode_attention_async(const decode_attention_plan& plan, const decode_attention_arguments<T>& a,
-                                            void* workspace, cudaStream_t stream = nullptr) {
+                                            void* workspace, cudaStream_t stream = nullptr,
+                                            bool overlap_previous = false) {
   static_assert(valid_tile_policy_v<Tile>);
   static_assert(Tile.block_q == 1, "decode attention takes one query per sequence (block_q = 1)");
-  static_assert(Tile.warps <= 4,
-                "decode attention keeps every reader's partial output in static shared memory "
-                "(warps x heads per CTA x 1 KB): at most 4 warps");
-  if (plan.splits < 1) return fail(status::invalid_argument, "decode attention: the plan is empty");
+  static_assert(Tile.block_kv == Tile.warps * detail::kWarpRows,
+                "decode attention: each warp takes 16 rows of a tile (block_kv = 16 * warps)");
+  static_assert(Tile.warps == 1 || Tile.warps == 2 || Tile.warps == 4 || Tile.warps == 8,
+                "decode attention: 1, 2, 4 or 8 warps");
+  if (plan.splits < 1 || plan.stages < 1 || plan.tile != Tile)
+    return fail(status::invalid_argument, "decode attention: the plan is empty or was made for another tile policy");
   if (plan.batch != a.batch || plan.num_q_heads != a.num_q_heads || plan.kv_heads != a.cache.kv_heads ||
-      plan.head_dim != a.cache.head_dim || plan.max_items != a.max_items)
+      plan.head_dim != a.cache.head_dim || plan.max_items != a.max_items || plan.sparse != a.sparse())
     return fail(status::invalid_argument,
                 "decode attention: the plan was made for another shape (batch " + std::to_string(plan.batch) +
                     ", max_items " + std::to_string(plan.max_items) + "); plan again for batch " +
                     std::to_string(a.batch) + ", max_items " + std::to_string(a.max_items));
   if (workspace == nullptr) return fail(status::invalid_argument, "decode attention: the plan needs a workspace");
+  if (a.sparse() && (a.kept_slices == nullptr || a.num_slices == nullptr))
+    return fail(status::invalid_argument, "decode attention: a sparse run needs kept_slices and num_slices");
   detail::decode_attention_params<T> p{};
   p.a = a;
   p.group = a.num_q_heads / a.cache.kv_heads;
   p.head_splits = plan.head_splits;
   p.splits = plan.splits;
   p.slices_per_split = plan.slices_per_split;
+  p.stages = plan.stages;
   const float scale = a.softmax_scale > 0.0f ? a.softmax_scale : 1.0f / std::sqrt(static_cast<float>(a.cache.head_dim));
   p.scale_log2 = scale * detail::kLog2e;
   auto* ws = static_cast<char*>(workspace);
@@ -508,17 +761,19 @@ template <class T, tile_policy Tile = kDecodeTile>
   p.partial_lse = plan.splits > 1 ? reinterpret_cast<float*>(ws + plan.lse_offset) : nullptr;
   p.counters = reinterpret_cast<unsigned*>(ws + plan.counter_offset);
   switch (a.cache.head_dim) {
-    case 64: return detail::dispatch_heads_per_cta<T, 64, Tile>(plan.heads_per_cta, p, stream);
-    case 128: return detail::dispatch_heads_per_cta<T, 128, Tile>(plan.heads_per_cta, p, stream);
-    default: return detail::dispatch_heads_per_cta<T, 256, Tile>(plan.heads_per_cta, p, stream);
+    case 64: return detail::launch_decode_attention<T, 64, Tile>(p, plan.smem_bytes, overlap_previous, stream);
+    case 128: return detail::launch_decode_attention<T, 128, Tile>(p, plan.smem_bytes, overlap_previous, stream);
+    default: return detail::launch_decode_attention<T, 256, Tile>(p, plan.smem_bytes, overlap_previous, stream);
   }
 }
 
-/// The number of multiprocessors of the current device (for plans).
-[[nodiscard]] inline status current_device_sms(int& sms) {
+/// The current device's multiprocessors and shared memory (for plans).
+[[nodiscard]] inline status current_gpu_limits(gpu_limits& gpu) {
   int device = 0;
   HISPARSE_CUDA_TRY(cudaGetDevice(&device));
-  HISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  HISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&gpu.sms, cudaDevAttrMultiProcessorCount, device));
+  HISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&gpu.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  HISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&gpu.smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   return status::success;
 }
 

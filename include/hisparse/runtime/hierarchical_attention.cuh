@@ -82,26 +82,33 @@ class hierarchical_decode {
     HISPARSE_TRY(select::can_implement_decode_selection(cfg_, selection_arguments(a)));
     // The selection buffers live in the workspace, so the shape checks run
     // on the dense form of the same arguments.
-    return attention::can_implement_decode_attention(attention_arguments(a, nullptr, nullptr, nullptr));
+    return attention::can_implement_decode_attention(attention_arguments(a, nullptr, nullptr));
   }
 
   /// Workspace bytes for `a` on the current device (queries the SM count):
   /// enough for a.batch and for every smaller batch `rebind` may bring (a
   /// smaller batch takes more splits per row, so it can need more).
   [[nodiscard]] status workspace_bytes(const arguments& a, std::size_t& bytes) const {
-    int sms = 0;
-    HISPARSE_TRY(attention::current_device_sms(sms));
-    return workspace_bytes(a, sms, bytes);
+    attention::gpu_limits gpu;
+    HISPARSE_TRY(attention::current_gpu_limits(gpu));
+    return workspace_bytes(a, gpu, bytes);
   }
 
-  /// The same for a GPU with `num_sms` multiprocessors (host only).
+  /// The same for an sm_90-class GPU with `num_sms` multiprocessors (host only).
   [[nodiscard]] status workspace_bytes(const arguments& a, int num_sms, std::size_t& bytes) const {
+    attention::gpu_limits gpu;
+    gpu.sms = num_sms;
+    return workspace_bytes(a, gpu, bytes);
+  }
+
+  /// The same for the GPU `gpu` describes (host only).
+  [[nodiscard]] status workspace_bytes(const arguments& a, const attention::gpu_limits& gpu, std::size_t& bytes) const {
     HISPARSE_TRY(can_implement(a));
     bytes = 0;
     arguments smaller = a;
     for (smaller.batch = 1; smaller.batch <= a.batch; ++smaller.batch) {
       layout l;
-      HISPARSE_TRY(make_layout(smaller, num_sms, a.batch, l));
+      HISPARSE_TRY(make_layout(smaller, gpu, a.batch, l));
       bytes = std::max(bytes, l.total);
     }
     return status::success;
@@ -111,20 +118,20 @@ class hierarchical_decode {
   /// the merge counters on `stream`. Keeps `a`: later runs read the same
   /// device buffers (refill them between runs or replays).
   [[nodiscard]] status plan(const arguments& a, void* workspace, std::size_t bytes, cudaStream_t stream = nullptr) {
-    int sms = 0;
-    HISPARSE_TRY(attention::current_device_sms(sms));
+    attention::gpu_limits gpu;
+    HISPARSE_TRY(attention::current_gpu_limits(gpu));
     std::size_t needed = 0;
-    HISPARSE_TRY(workspace_bytes(a, sms, needed));
+    HISPARSE_TRY(workspace_bytes(a, gpu, needed));
     if (workspace == nullptr || bytes < needed)
       return fail(status::invalid_argument, "hierarchical decode: workspace of " + std::to_string(bytes) +
                                                 " bytes is smaller than the " + std::to_string(needed) + " required");
     layout l;
-    HISPARSE_TRY(make_layout(a, sms, a.batch, l));
+    HISPARSE_TRY(make_layout(a, gpu, a.batch, l));
     bind(a, l, workspace);
     HISPARSE_TRY(attention::initialize_decode_attention_workspace(attention_plan_, attention_workspace_, stream));
     workspace_ = workspace;
     capacity_ = bytes;
-    sms_ = sms;
+    gpu_ = gpu;
     planned_batch_ = a.batch;
     planned_ = true;
     return status::success;
@@ -142,19 +149,21 @@ class hierarchical_decode {
                                                 " exceeds the planned " + std::to_string(planned_batch_));
     HISPARSE_TRY(can_implement(a));
     layout l;
-    HISPARSE_TRY(make_layout(a, sms_, planned_batch_, l));
+    HISPARSE_TRY(make_layout(a, gpu_, planned_batch_, l));
     if (l.total > capacity_) return fail(status::internal_error, "hierarchical decode: workspace too small");
     bind(a, l, workspace_);
     return status::success;
   }
 
-  /// Both launches, nothing else: capturable.
+  /// Both launches, nothing else: capturable. On sm_90 the attention is a
+  /// programmatic dependent of the selection: its CTAs start while the
+  /// selection drains and wait for it only before reading the kept slices.
   [[nodiscard]] status run(cudaStream_t stream = nullptr) const {
     if (!planned_) return fail(status::invalid_argument, "hierarchical decode: run before plan");
     HISPARSE_TRY(select::select_decode_async(cfg_, selection_arguments(args_), selection_output(), stream));
     return attention::decode_attention_async<T, Tile>(
-        attention_plan_, attention_arguments(args_, kept_slices_, num_slices_, window_begin_), attention_workspace_,
-        stream);
+        attention_plan_, attention_arguments(args_, kept_slices_, num_slices_), attention_workspace_,
+        stream, /*overlap_previous=*/true);
   }
 
   /// The selection of the last run, on the device: [batch][kv_heads][top_k_fine]
@@ -171,9 +180,9 @@ class hierarchical_decode {
   };
 
   /// [attention workspace (merge counters first) | kept slices | counts | windows]
-  status make_layout(const arguments& a, int sms, int counter_batch, layout& l) const {
-    HISPARSE_TRY(attention::plan_decode_attention(attention_arguments(a, nullptr, nullptr, nullptr), sms,
-                                                  l.attention_plan, counter_batch));
+  status make_layout(const arguments& a, const attention::gpu_limits& gpu, int counter_batch, layout& l) const {
+    HISPARSE_TRY(attention::plan_decode_attention<Tile>(attention_arguments(a, nullptr, nullptr), gpu,
+                                                        l.attention_plan, counter_batch));
     auto align = [](std::size_t x) { return (x + 255) / 256 * 256; };
     const std::size_t rows = static_cast<std::size_t>(a.batch) * a.cache.kv_heads;
     l.attention = 0;
@@ -210,13 +219,12 @@ class hierarchical_decode {
   }
 
   attention::decode_attention_arguments<T> attention_arguments(const arguments& a, const std::int32_t* kept,
-                                                               const std::int32_t* num,
-                                                               const std::int32_t* window) const {
+                                                               const std::int32_t* num) const {
     auto d = detail::dense_attention_arguments(a);
     d.kept_slices = kept;
     d.num_slices = num;
-    d.window_begin = window;
     d.top_k_fine = cfg_.top_k_fine;
+    d.window = cfg_.window;
     d.max_items = std::min(attention::sparse_max_items(cfg_), a.cache.max_slices);
     return d;
   }
@@ -230,7 +238,7 @@ class hierarchical_decode {
   void* attention_workspace_ = nullptr;
   void* workspace_ = nullptr;
   std::size_t capacity_ = 0;
-  int sms_ = 0;
+  attention::gpu_limits gpu_{};
   int planned_batch_ = 0;
   bool planned_ = false;
 };
@@ -281,9 +289,9 @@ class dense_decode {
 
  private:
   static status plan_for(const arguments& a, attention::decode_attention_plan& p) {
-    int sms = 0;
-    HISPARSE_TRY(attention::current_device_sms(sms));
-    return attention::plan_decode_attention(detail::dense_attention_arguments(a), sms, p);
+    attention::gpu_limits gpu;
+    HISPARSE_TRY(attention::current_gpu_limits(gpu));
+    return attention::plan_decode_attention<Tile>(detail::dense_attention_arguments(a), gpu, p);
   }
 
   attention::decode_attention_arguments<T> args_{};
