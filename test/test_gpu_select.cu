@@ -83,6 +83,9 @@ void compare(const problem& p, const gpu_result& g, int b, bool exact) {
   const auto r = reference::decode(p.cfg, p.shape, seq);
   const auto& tile = r.tiles.at(0);
   REQUIRE(g.window[static_cast<std::size_t>(b)] == tile.window_begin);
+  const auto means = reference::slice_means(seq.keys, p.cfg, tile.window_begin);
+  const int G = p.shape.group_size(), D = p.shape.head_dim;
+  const std::int64_t far_slices = tile.window_begin / p.cfg.fine_slice;
   for (int h = 0; h < H; ++h) {
     INFO("sequence " << b << " (length " << len << "), KV head " << h);
     const auto at = static_cast<std::size_t>(b * H + h);
@@ -90,9 +93,23 @@ void compare(const problem& p, const gpu_result& g, int b, bool exact) {
     std::vector<std::int32_t> gs(g.slices.begin() + at * kf, g.slices.begin() + (at + 1) * kf);
     const auto& rb = tile.blocks[h];
     const auto& rs = tile.slices[h];
-    double scale = 1e-30;
+    // fp32 error scale: a score's size, or the size of the terms it sums
+    // (|sum_g q_g| |mean| bounds them; a score near 0 by cancellation keeps
+    // the terms' rounding error).
+    double scale = 1e-30, qnorm = 0, mnorm = 0;
     for (const double s : rb.kept_scores) scale = std::max(scale, std::abs(s));
     for (const double s : rs.kept_scores) scale = std::max(scale, std::abs(s));
+    for (int d = 0; d < D; ++d) {
+      double q = 0;
+      for (int gq = 0; gq < G; ++gq) q += to_double(seq.queries(0, h * G + gq, d));
+      qnorm += q * q;
+    }
+    for (std::int64_t sl = 0; sl < far_slices; ++sl) {
+      double m = 0;
+      for (int d = 0; d < D; ++d) m += std::pow(means[static_cast<std::size_t>((sl * H + h) * D + d)], 2);
+      mnorm = std::max(mnorm, m);
+    }
+    scale = std::max(scale, std::sqrt(qnorm * mnorm));
     REQUIRE(g.num_slices[at] == static_cast<std::int32_t>(rs.kept.size()));
     for (std::size_t i = rs.kept.size(); i < static_cast<std::size_t>(kf); ++i) REQUIRE(gs[i] == -1);
     // Kept scores match the reference's within fp32 accumulation.
@@ -108,8 +125,6 @@ void compare(const problem& p, const gpu_result& g, int b, bool exact) {
         REQUIRE(g.slice_scores[at * kf + i] == Approx(rs.kept_scores[i]).margin(1e-5 * scale));
       std::vector<double> slice_ref(static_cast<std::size_t>(len / p.cfg.fine_slice + 1), -1e300);
       // Scores of every fine candidate, for the threshold check.
-      const auto means = reference::slice_means(seq.keys, p.cfg, tile.window_begin);
-      const int G = p.shape.group_size(), D = p.shape.head_dim;
       for (const auto blk : rb.kept)
         for (std::int64_t sl = std::int64_t{blk} * p.cfg.slices_per_block();
              sl < (std::int64_t{blk} + 1) * p.cfg.slices_per_block() && (sl + 1) * p.cfg.fine_slice <= tile.window_begin;
