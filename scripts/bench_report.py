@@ -93,6 +93,14 @@ def main():
                 x = f"{r[name]['graph_us'] / ours['step_us']:.1f}" if ours else "-"
                 print(f"| {name} | {r[name]['eager_us']:.1f} | {r[name]['graph_us']:.1f} | "
                       f"{ours['step_us'] if ours else float('nan'):.1f} | {x} |")
+    tiles = rows(step, "BM_step_tile")
+    if tiles:
+        print("\n## Attention tile policies (the composed step, graph replay)\n")
+        print("| benchmark | step us | splits | stages | CTAs/SM |")
+        print("|---|---:|---:|---:|---:|")
+        for b in tiles:
+            print(f"| {b['name'].split('/iterations')[0]} | {b['step_us']:.1f} | {b['splits']:.0f} | "
+                  f"{b['stages']:.0f} | {b['ctas_per_sm']:.0f} |")
 
 
 if __name__ == "__main__":
