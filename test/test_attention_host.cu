@@ -115,6 +115,15 @@ TEST_CASE("decode attention sizes its shared-memory ring to the GPU", "[attentio
   CHECK(deep.stages == 3);
   CHECK(attention::decode_attention_async<bf16, two_stages>(deep, dense_args(8, 4096), workspace) ==
         status::invalid_argument);
+  // A plan edited by hand past what the kernel can hold is refused.
+  for (int field = 0; field < 3; ++field) {
+    auto edited = deep;
+    if (field == 0) edited.stages = 4;
+    if (field == 1) edited.splits = 65;
+    if (field == 2) edited.smem_bytes = 32 * 1024;
+    CHECK(attention::decode_attention_async(edited, dense_args(8, 4096), workspace) == status::invalid_argument);
+    CHECK_THAT(last_error(), Catch::Contains("inconsistent"));
+  }
   // Too little shared memory for one stage is unsupported, and says so.
   attention::gpu_limits tiny;
   tiny.sms = 8;

@@ -338,6 +338,41 @@ TEST_CASE("user tile policies: 1, 2 and 8 warps, 1 to 4 stages", "[gpu][attentio
   }
 }
 
+TEST_CASE("GQA 16 (two head splits), head_dim 256, and a slice of 48 tokens", "[gpu][attention]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  mr::device_pool_resource device;
+  {
+    INFO("group 16: two CTAs across the group");
+    const auto p = test::make_problem<__nv_bfloat16>({32, 2, 128}, SparseAttentionConfig{}, {3000, 70000}, seed);
+    kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, test::cache_options(p, 70000));
+    const auto slots = test::fill(p, cache);
+    const auto g = run_step(p, cache, slots);
+    check_against_fp64(p, g, false);
+    check_selection_matches_reference(p, g);
+  }
+  {
+    INFO("head_dim 256");
+    const auto p = test::make_problem<__half>({8, 2, 256}, SparseAttentionConfig{}, {777, 5000}, seed + 1);
+    kv::paged_kv_cache<__half, mr::device_pool_resource> cache(device, test::cache_options(p, 5000));
+    const auto slots = test::fill(p, cache);
+    check_against_fp64(p, run_step(p, cache, slots), false);
+    check_against_fp64(p, run_dense(p, cache, slots), true);
+  }
+  {
+    INFO("F = 48, C = 96: tiles span slices, item = row / F by division");
+    const SparseAttentionConfig odd{200, 96, 48, 8, 6, 1};
+    const auto p = test::make_problem<__nv_bfloat16>({8, 2, 64}, odd, {1, 47, 48, 4000, 20001}, seed + 2);
+    kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, test::cache_options(p, 20001));
+    const auto slots = test::fill(p, cache);
+    const auto g = run_step(p, cache, slots);
+    check_against_fp64(p, g, false);
+    check_selection_matches_reference(p, g);
+    check_against_fp64(p, run_dense(p, cache, slots), true);
+  }
+}
+
 TEST_CASE("a sequence longer than the plan's max_items gets NaN output and LSE, the others exact results",
           "[gpu][attention]") {
   HISPARSE_REQUIRE_GPU();

@@ -53,7 +53,8 @@ inline constexpr tile_policy kDecodeTile{1, 64, 4, 3};
 /// the kept slices of a selection (kept_slices, num_slices) and the window
 /// of `window` tokens the contract places at the end (DESIGN.md section 1:
 /// from ws = floor((length - window) / F) * F, at least 0); dense otherwise.
-/// A plan needs only the sizes: the pointers may be null until launch.
+/// A plan does not read kept_slices and num_slices: they may be null until
+/// launch (the selection's buffers may not exist yet).
 template <class T>
 struct decode_attention_arguments {
   const T* queries = nullptr;           ///< [batch][num_q_heads][head_dim]
@@ -129,8 +130,9 @@ inline constexpr int kMaxSplits = 64;
 /// when the walk passes them): one dependent load per 128 slices, not one
 /// per slice.
 inline constexpr int kPageRing = 128;
-/// Static shared memory of the kernel, rounded up (planning only).
-inline constexpr int kStaticSmem = 4 * 1024;
+/// Static shared memory of the kernel (3.1 KB) plus the 1 KB the hardware
+/// reserves per CTA, rounded up (planning only).
+inline constexpr int kStaticSmem = 5 * 1024;
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
 
@@ -561,9 +563,9 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
   if (threadIdx.x == 0) *counter = 0;
 }
 
-/// Whether this device runs an sm_90+ build of the kernel (and so honours
-/// griddepcontrol.wait); cached per device. A programmatic launch of a build
-/// without it would read the selection before it is written.
+/// Whether this device runs a build of the kernel compiled for sm_90+ (and
+/// so honours griddepcontrol.wait); cached per device. A programmatic launch
+/// of a build without it would read the selection before it is written.
 template <class T, int D, tile_policy Tile>
 bool programmatic_launch_available() {
   constexpr int kMaxDevices = 64;
@@ -579,7 +581,9 @@ bool programmatic_launch_available() {
       (void)cudaGetLastError();
       return false;
     }
-    return attr.binaryVersion >= 90;
+    // Both: a build for compute_80 JIT-compiled on an sm_90 part has
+    // binaryVersion 90 but no griddepcontrol.wait in it.
+    return attr.ptxVersion >= 90 && attr.binaryVersion >= 90;
   };
   if (device >= kMaxDevices) return query();
   signed char k = known[device].load(std::memory_order_relaxed);
@@ -591,9 +595,22 @@ template <class T, int D, tile_policy Tile>
 status launch_decode_attention(const decode_attention_params<T>& p, int smem_bytes, bool overlap_previous,
                                cudaStream_t stream) {
   auto* kernel = &decode_attention_kernel<T, D, Tile.warps, Tile.stages>;
-  // Always: the static shared memory counts toward the 48 KB default too
-  // (48 KB of ring at head_dim 64 failed to launch without this).
-  HISPARSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  // Raise the kernel's dynamic shared-memory limit whenever a launch needs
+  // more than it was last set to on this device. Not only past 48 KB: the
+  // static shared memory counts toward the 48 KB default too (48 KB of ring
+  // at head_dim 64 failed to launch without this).
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> raised[kMaxDevices];
+  int device = 0;
+  HISPARSE_CUDA_TRY(cudaGetDevice(&device));
+  if (device >= kMaxDevices || raised[device].load(std::memory_order_relaxed) < smem_bytes) {
+    HISPARSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+    if (device < kMaxDevices) {
+      int seen = raised[device].load(std::memory_order_relaxed);
+      while (seen < smem_bytes && !raised[device].compare_exchange_weak(seen, smem_bytes)) {
+      }
+    }
+  }
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.a.cache.kv_heads * p.head_splits),
                         static_cast<unsigned>(p.a.batch));
@@ -601,7 +618,9 @@ status launch_decode_attention(const decode_attention_params<T>& p, int smem_byt
   config.dynamicSmemBytes = static_cast<std::size_t>(smem_bytes);
   config.stream = stream;
   cudaLaunchAttribute attribute[1];
-  if (overlap_previous && programmatic_launch_available<T, D, Tile>()) {
+  // Only a sparse run waits (griddepcontrol.wait) before reading what the
+  // previous kernel wrote; a dense one is never launched programmatically.
+  if (overlap_previous && p.a.sparse() && programmatic_launch_available<T, D, Tile>()) {
     attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attribute[0].val.programmaticStreamSerializationAllowed = 1;
     config.attrs = attribute;
@@ -625,6 +644,7 @@ template <class T>
   if (a.queries == nullptr || a.slots == nullptr || a.out == nullptr) return bad("queries, slots and out must be set");
   if (c.page_table == nullptr || c.lengths == nullptr) return bad("the cache view is empty");
   if (a.layer < 0 || a.layer >= c.layers) return bad("layer out of range");
+  if (c.fine_slice < 1) return bad("the cache's fine_slice must be >= 1");
   if (a.sparse() && a.window < 1) return bad("a sparse run needs the window (tokens, >= 1)");
   auto aligned = [](const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0; };
   if (!aligned(a.queries) || !aligned(a.out)) return bad("queries and out must be 16-byte aligned");
@@ -736,8 +756,14 @@ template <class T, tile_policy Tile = kDecodeTile>
                 "decode attention: each warp takes 16 rows of a tile (block_kv = 16 * warps)");
   static_assert(Tile.warps == 1 || Tile.warps == 2 || Tile.warps == 4 || Tile.warps == 8,
                 "decode attention: 1, 2, 4 or 8 warps");
-  if (plan.splits < 1 || plan.stages < 1 || plan.tile != Tile)
+  if (plan.splits < 1 || plan.tile != Tile)
     return fail(status::invalid_argument, "decode attention: the plan is empty or was made for another tile policy");
+  // The kernel trusts these three; a plan edited by hand must not break them.
+  if (plan.stages < 1 || plan.stages > Tile.stages || plan.splits > detail::kMaxSplits ||
+      plan.smem_bytes < plan.stages * detail::stage_bytes(Tile.block_kv, a.cache.head_dim, static_cast<int>(sizeof(T))))
+    return fail(status::invalid_argument,
+                "decode attention: the plan's stages, splits or shared memory are inconsistent (plan again)");
+  HISPARSE_TRY(can_implement_decode_attention(a));
   if (plan.batch != a.batch || plan.num_q_heads != a.num_q_heads || plan.kv_heads != a.cache.kv_heads ||
       plan.head_dim != a.cache.head_dim || plan.max_items != a.max_items || plan.sparse != a.sparse())
     return fail(status::invalid_argument,

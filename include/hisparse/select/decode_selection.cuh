@@ -557,8 +557,9 @@ inline selection_smem plan_selection_smem(const SparseAttentionConfig& cfg, std:
 template <class Q, int D, int S>
 status launch_selection(const decode_params<Q>& p, bool wide, int kv_heads, int batch, cudaStream_t stream) {
   auto* kernel = wide ? &decode_selection_kernel<Q, D, S, true> : &decode_selection_kernel<Q, D, S, false>;
-  if (p.smem.bytes > 48 * 1024)
-    HISPARSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p.smem.bytes));
+  // Every launch (a cheap host call): the static shared memory counts toward
+  // the 48 KB default too, so "dynamic > 48 KB" is not the test.
+  HISPARSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p.smem.bytes));
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(kv_heads * S), static_cast<unsigned>(batch));
   config.blockDim = dim3(kSelectThreads);
@@ -587,7 +588,7 @@ bool cluster_selection_available() {
     (void)cudaGetLastError();
     return false;
   }
-  return attr.binaryVersion >= 90;
+  return attr.ptxVersion >= 90 && attr.binaryVersion >= 90;  // a compute_80 build JIT-ed for sm_90 has no clusters
 }
 
 inline constexpr int kMaxCachedDevices = 64;
