@@ -31,7 +31,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <string>
 
 #include <cuda_runtime_api.h>
