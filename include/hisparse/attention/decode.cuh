@@ -144,7 +144,8 @@ inline constexpr int kWarpRows = 16;
 /// Compute). Shared memory allows no more with the default three stages:
 /// two CTAs of 96 KB per H200 SM at head_dim 128.
 HISPARSE_HOST_DEVICE constexpr int register_ctas_per_sm(int head_dim, int warps) {
-  return (head_dim <= 64 ? 12 : 8) / warps > 0 ? (head_dim <= 64 ? 12 : 8) / warps : 1;
+  const int warps_per_sm = head_dim <= 64 ? 12 : 8;
+  return warps_per_sm / warps > 0 ? warps_per_sm / warps : 1;
 }
 /// Bytes of one ring stage: a tile of K and one of V.
 HISPARSE_HOST_DEVICE constexpr int stage_bytes(int rows, int head_dim, int elem_bytes) {
