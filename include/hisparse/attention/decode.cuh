@@ -620,7 +620,10 @@ status launch_decode_attention(const decode_attention_params<T>& p, int smem_byt
   cudaLaunchAttribute attribute[1];
   // Only a sparse run waits (griddepcontrol.wait) before reading what the
   // previous kernel wrote; a dense one is never launched programmatically.
-  if (overlap_previous && p.a.sparse() && programmatic_launch_available<T, D, Tile>()) {
+  // Programmatic edges in captured graphs came with CUDA 12.3: older
+  // toolkits launch in plain stream order.
+  constexpr bool kToolkitOverlaps = CUDART_VERSION >= 12030;
+  if (kToolkitOverlaps && overlap_previous && p.a.sparse() && programmatic_launch_available<T, D, Tile>()) {
     attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attribute[0].val.programmaticStreamSerializationAllowed = 1;
     config.attrs = attribute;
