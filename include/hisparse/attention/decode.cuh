@@ -37,6 +37,7 @@
 
 #include "hisparse/config.hpp"
 #include "hisparse/core/dtype.hpp"
+#include "hisparse/core/kernel_build.hpp"
 #include "hisparse/core/status.hpp"
 #include "hisparse/kv/paged_kv_ref.hpp"
 #include "hisparse/policy/tile_policy.hpp"
@@ -564,31 +565,15 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
 }
 
 /// Whether this device runs a build of the kernel compiled for sm_90+ (and
-/// so honours griddepcontrol.wait); cached per device. A programmatic launch
-/// of a build without it would read the selection before it is written.
+/// so honours griddepcontrol.wait). A programmatic launch of a build without
+/// it would read the selection before it is written.
 template <class T, int D, tile_policy Tile>
 bool programmatic_launch_available() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<signed char> known[kMaxDevices];  // 0 unknown, 1 no, 2 yes
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  auto query = [] {
-    cudaFuncAttributes attr{};
-    if (cudaFuncGetAttributes(&attr, &decode_attention_kernel<T, D, Tile.warps, Tile.stages>) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    // Both: a build for compute_80 JIT-compiled on an sm_90 part has
-    // binaryVersion 90 but no griddepcontrol.wait in it.
-    return attr.ptxVersion >= 90 && attr.binaryVersion >= 90;
-  };
-  if (device >= kMaxDevices) return query();
-  signed char k = known[device].load(std::memory_order_relaxed);
-  if (k == 0) known[device].store(k = query() ? 2 : 1, std::memory_order_relaxed);
-  return k == 2;
+  static hisparse::detail::per_device_flag built;
+  return built.get([] {
+    void (*kernel)(decode_attention_params<T>) = &decode_attention_kernel<T, D, Tile.warps, Tile.stages>;
+    return hisparse::detail::kernel_built_for_sm90(reinterpret_cast<const void*>(kernel));
+  });
 }
 
 template <class T, int D, tile_policy Tile>

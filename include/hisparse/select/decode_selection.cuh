@@ -27,6 +27,7 @@
 
 #include "hisparse/config.hpp"
 #include "hisparse/core/dtype.hpp"
+#include "hisparse/core/kernel_build.hpp"
 #include "hisparse/core/status.hpp"
 #include "hisparse/kv/paged_kv_ref.hpp"
 #include "hisparse/policy/selection_policy.hpp"
@@ -578,36 +579,17 @@ status launch_selection(const decode_params<Q>& p, bool wide, int kv_heads, int 
   return status::success;
 }
 
-/// Whether the binary this device runs for the cluster kernel is sm_90 or
-/// newer (a build without sm_90 code runs the single-CTA kernel on an H100).
-/// The narrow and wide kernels are built for the same architectures.
-template <class Q, int D>
-bool cluster_selection_available() {
-  cudaFuncAttributes attr{};
-  if (cudaFuncGetAttributes(&attr, &decode_selection_kernel<Q, D, kSelectCluster, false>) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return attr.ptxVersion >= 90 && attr.binaryVersion >= 90;  // a compute_80 build JIT-ed for sm_90 has no clusters
-}
-
-inline constexpr int kMaxCachedDevices = 64;
-
 template <class Q, int D>
 status launch_selection(const decode_params<Q>& p, bool wide, int kv_heads, int batch, cudaStream_t stream) {
   if (!p.in.use_clusters) return launch_selection<Q, D, 1>(p, wide, kv_heads, batch, stream);
-  // Cached per device: 0 unknown, 1 no, 2 yes.
-  static std::atomic<signed char> known[kMaxCachedDevices];
-  int device = 0;
-  HISPARSE_CUDA_TRY(cudaGetDevice(&device));
-  bool clusters = false;
-  if (device < kMaxCachedDevices) {
-    signed char k = known[device].load(std::memory_order_relaxed);
-    if (k == 0) known[device].store(k = cluster_selection_available<Q, D>() ? 2 : 1, std::memory_order_relaxed);
-    clusters = k == 2;
-  } else {
-    clusters = cluster_selection_available<Q, D>();
-  }
+  // Clusters where the loaded build is sm_90 or newer (a build without sm_90
+  // code runs the single-CTA kernel on an H100). The narrow and wide kernels
+  // are built for the same architectures.
+  static hisparse::detail::per_device_flag built;
+  const bool clusters = built.get([] {
+    void (*kernel)(decode_params<Q>) = &decode_selection_kernel<Q, D, kSelectCluster, false>;
+    return hisparse::detail::kernel_built_for_sm90(reinterpret_cast<const void*>(kernel));
+  });
   return clusters ? launch_selection<Q, D, kSelectCluster>(p, wide, kv_heads, batch, stream)
                   : launch_selection<Q, D, 1>(p, wide, kv_heads, batch, stream);
 }

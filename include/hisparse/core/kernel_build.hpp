@@ -1,0 +1,47 @@
+#pragma once
+// Which machine code the current device runs for a kernel, asked once per
+// device: the launches that rely on sm_90 features (thread-block clusters,
+// griddepcontrol) fall back to plain launches where the loaded build lacks
+// them. Both the PTX and the binary version count: a build for compute_80
+// JIT-compiled on an sm_90 part reports binaryVersion 90 but holds no sm_90
+// instruction.
+
+#include <atomic>
+
+#include <cuda_runtime_api.h>
+
+namespace hisparse::detail {
+
+/// Whether the device runs a build of `kernel` compiled from sm_90+ PTX.
+inline bool kernel_built_for_sm90(const void* kernel) {
+  cudaFuncAttributes attr{};
+  if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return attr.ptxVersion >= 90 && attr.binaryVersion >= 90;
+}
+
+/// A yes/no answer per device, computed by `query` the first time a device
+/// asks (devices past the cache's size ask every time).
+class per_device_flag {
+ public:
+  template <class Query>
+  bool get(Query query) {
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    if (device >= kDevices) return query();
+    signed char k = known_[device].load(std::memory_order_relaxed);
+    if (k == 0) known_[device].store(k = query() ? 2 : 1, std::memory_order_relaxed);
+    return k == 2;
+  }
+
+ private:
+  static constexpr int kDevices = 64;
+  std::atomic<signed char> known_[kDevices]{};  // 0 unknown, 1 no, 2 yes
+};
+
+}  // namespace hisparse::detail
