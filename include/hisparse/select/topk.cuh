@@ -57,12 +57,30 @@ __device__ __forceinline__ topk_key warp_sort_descending(topk_key key) {
 }
 }  // namespace detail
 
+namespace detail {
+__device__ __forceinline__ topk_key warp_min(topk_key x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const topk_key o = __shfl_xor_sync(kFullMask, x, off);
+    x = o < x ? o : x;
+  }
+  return x;
+}
+}  // namespace detail
+
 /// Warp-wide top-k of E keys per lane, k <= 32.
+///
+/// First a threshold filter: the k-th largest of 64 group maxima (each lane's
+/// keys in two halves) is a key at least k keys reach, so the k largest are
+/// all at or above it; the survivors (~2k on random rows) are ranked against
+/// each other, and each key's rank is its output slot. Where more than 64
+/// survive (ties, sorted rows) the radix select below takes over.
 template <int E>
 class warp_topk {
  public:
   struct TempStorage {
-    topk_key keys[32];
+    topk_key keys[64];
+    topk_key out[32];
   };
 
   __device__ explicit warp_topk(TempStorage& storage) : storage_(storage) {}
@@ -71,6 +89,50 @@ class warp_topk {
   /// kNoCandidate in lanes past k or past the number of real candidates.
   __device__ topk_key select(const topk_key (&keys)[E], int k) {
     const int lane = threadIdx.x & 31;
+    if constexpr (E >= 2) {
+      topk_key m0 = kNoCandidate, m1 = kNoCandidate;
+#pragma unroll
+      for (int j = 0; j < E; ++j) {
+        if (j < E / 2) m0 = keys[j] > m0 ? keys[j] : m0;
+        else m1 = keys[j] > m1 ? keys[j] : m1;
+      }
+      storage_.keys[lane] = m0;
+      storage_.keys[32 + lane] = m1;
+      __syncwarp();
+      int above0 = 0, above1 = 0;
+      for (int u = 0; u < 64; ++u) {
+        const topk_key x = storage_.keys[u];
+        above0 += x > m0 ? 1 : 0;
+        above1 += x > m1 ? 1 : 0;
+      }
+      // The smallest of the k largest maxima (equal maxima are only padding).
+      const topk_key mine = min(above0 < k ? m0 : ~topk_key{0}, above1 < k ? m1 : ~topk_key{0});
+      const topk_key threshold = detail::warp_min(mine);
+      __syncwarp();
+      unsigned survivors = 0;
+#pragma unroll
+      for (int j = 0; j < E; ++j) {
+        const bool take = keys[j] >= threshold && keys[j] != kNoCandidate;
+        const unsigned ballot = __ballot_sync(kFullMask, take);
+        const unsigned pos = survivors + __popc(ballot & ((1u << lane) - 1u));
+        if (take && pos < 64) storage_.keys[pos] = keys[j];
+        survivors += __popc(ballot);
+      }
+      __syncwarp();
+      if (survivors <= 64) {
+        const int n = static_cast<int>(survivors);
+        for (int i = lane; i < n; i += 32) {
+          const topk_key key = storage_.keys[i];
+          int rank = 0;
+          for (int u = 0; u < n; ++u) rank += storage_.keys[u] > key ? 1 : 0;
+          if (rank < k) storage_.out[rank] = key;
+        }
+        __syncwarp();
+        const topk_key result = lane < min(n, k) ? storage_.out[lane] : kNoCandidate;
+        __syncwarp();
+        return result;
+      }
+    }
     auto count = [&](auto pred) {
       unsigned c = 0;
 #pragma unroll
@@ -118,28 +180,49 @@ class warp_topk {
 /// `sorted`, a shared array of at least `sort_capacity(k)` keys, which holds
 /// the result in descending order (padding kNoCandidate after the
 /// candidates).
+///
+/// For k <= Threads / 4, first a threshold filter: each warp takes the c-th
+/// largest of its lanes' maxima (c = ceil(k / warps)), and the smallest of
+/// those is a key at least k keys reach (c per warp), so the k largest are
+/// all at or above it; the survivors (~110 for k = 64 of 4096 random keys)
+/// are ranked against each other in shared memory and written to their
+/// slots: three barriers, where the radix select below spends one per bit.
+/// More than kSurvivors survivors (ties, sorted or short rows) take the radix
+/// path.
 template <int Threads, int E>
 class block_topk {
   static_assert(Threads % 32 == 0 && Threads >= 64, "block_topk needs whole warps, at least two");
   static constexpr int kWarps = Threads / 32;
+  static constexpr int kFilterK = Threads / 4;
+  static constexpr int kSurvivors = 2 * Threads;
+
+  HISPARSE_HOST_DEVICE static constexpr int pow2(int k) {
+    int p = 1;
+    while (p < k) p <<= 1;
+    return p;
+  }
 
  public:
   struct TempStorage {
     unsigned counts[2][kWarps];
     unsigned fill;
+    topk_key warp_min[kWarps];
   };
 
-  /// Keys of shared memory the sort needs for k: the next power of two.
+  /// Keys of shared memory `sorted` needs for k: the next power of two (the
+  /// sort), and room for the filter's survivors after it where it runs.
   HISPARSE_HOST_DEVICE static constexpr int sort_capacity(int k) {
-    int p = 1;
-    while (p < k) p <<= 1;
-    return p;
+    return pow2(k) + (k <= kFilterK ? kSurvivors : 0);
   }
 
   __device__ explicit block_topk(TempStorage& storage) : storage_(storage) {}
 
   /// Returns the number of real candidates written (min(k, candidates)).
   __device__ int select(const topk_key (&keys)[E], int k, topk_key* sorted) {
+    if (k <= kFilterK) {  // uniform
+      const int found = select_filtered(keys, k, sorted);
+      if (found >= 0) return found;
+    }
     const auto want = static_cast<unsigned>(k);
     std::uint32_t hi = 0;
     for (int bit = 31; bit >= 0; --bit) {
@@ -191,6 +274,50 @@ class block_topk {
   }
 
  private:
+  /// The threshold filter; -1 (and nothing written) when too many survive.
+  __device__ int select_filtered(const topk_key (&keys)[E], int k, topk_key* sorted) {
+    const int t = static_cast<int>(threadIdx.x);
+    topk_key m = kNoCandidate;
+#pragma unroll
+    for (int j = 0; j < E; ++j) m = keys[j] > m ? keys[j] : m;
+    if (t == 0) storage_.fill = 0;
+    // This warp's c-th largest lane maximum (the smallest of its c largest;
+    // equal maxima are only padding).
+    const int c = (k + kWarps - 1) / kWarps;
+    int above = 0;
+#pragma unroll 8
+    for (int u = 0; u < 32; ++u) above += __shfl_sync(kFullMask, m, u) > m ? 1 : 0;
+    const topk_key w = detail::warp_min(above < c ? m : ~topk_key{0});
+    if ((t & 31) == 0) storage_.warp_min[t / 32] = w;
+    __syncthreads();
+    topk_key threshold = ~topk_key{0};
+#pragma unroll
+    for (int i = 0; i < kWarps; ++i) threshold = min(threshold, storage_.warp_min[i]);
+    topk_key* survivors = sorted + pow2(k);
+#pragma unroll
+    for (int j = 0; j < E; ++j)
+      if (keys[j] >= threshold && keys[j] != kNoCandidate) {
+        const unsigned pos = atomicAdd(&storage_.fill, 1u);
+        if (pos < kSurvivors) survivors[pos] = keys[j];
+      }
+    __syncthreads();
+    const int n = static_cast<int>(storage_.fill);
+    if (n > kSurvivors) {
+      __syncthreads();  // every thread has read fill before the radix path reuses it
+      return -1;
+    }
+    const int found = min(n, k);
+    for (int i = t; i < n; i += Threads) {
+      const topk_key key = survivors[i];
+      int rank = 0;
+      for (int u = 0; u < n; ++u) rank += survivors[u] > key ? 1 : 0;
+      if (rank < k) sorted[rank] = key;
+    }
+    for (int i = found + t; i < pow2(k); i += Threads) sorted[i] = kNoCandidate;
+    __syncthreads();
+    return found;
+  }
+
   /// Block-wide count of keys satisfying pred: one redux per warp, one
   /// barrier. The two count slots alternate, so a slot is rewritten only
   /// after every thread has passed the barrier that follows its last read.
