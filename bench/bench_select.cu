@@ -10,6 +10,7 @@
 #include "hisparse/kv/paged_kv_cache.cuh"
 #include "hisparse/mr/device_pool_resource.hpp"
 #include "hisparse/select/decode_selection.cuh"
+#include "hisparse/select/prefill_selection.cuh"
 #include "hisparse/workload/synthetic.hpp"
 
 namespace {
@@ -26,21 +27,22 @@ T* device_copy(const std::vector<T>& h) {
   return p;
 }
 
-void BM_decode_selection(benchmark::State& state) {
-  const int batch = static_cast<int>(state.range(0));
-  const auto context = static_cast<std::int32_t>(state.range(1));
-  const SparseAttentionConfig cfg;
-  mr::device_pool_resource device;
+using cache_type = kv::paged_kv_cache<bf16, mr::device_pool_resource>;
+
+kv::paged_kv_cache_options cache_options(int batch, std::int32_t context) {
   kv::paged_kv_cache_options o;
   o.num_kv_heads = kKvHeads;
   o.head_dim = kDim;
   o.max_sequences = batch;
   o.max_context = context;
-  kv::paged_kv_cache<bf16, mr::device_pool_resource> cache(device, o);
-  // Fill every sequence by appending one random 16K-token chunk repeatedly:
-  // the selection's time depends on the sizes, not on which blocks win.
+  return o;
+}
+
+/// Fills `batch` sequences of `context` tokens by appending one random
+/// 16K-token chunk repeatedly (the selection's time depends on the sizes, not
+/// on which blocks win); returns their slots.
+std::vector<std::int32_t> fill_cache(cache_type& cache, int batch, std::int32_t context, workload::splitmix64& rng) {
   constexpr std::int32_t kChunk = 16384;
-  workload::splitmix64 rng(3);
   std::vector<bf16> host(static_cast<std::size_t>(kChunk) * kKvHeads * kDim);
   for (auto& x : host) x = from_float<bf16>(static_cast<float>(rng.normal()));
   bf16* chunk = device_copy(host);
@@ -54,6 +56,19 @@ void BM_decode_selection(benchmark::State& state) {
       throw_if_error(cache.append_async(0, std::vector<kv::append_segment>{{slot, 0, n}}, chunk, chunk, nullptr));
     }
   }
+  HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
+  cudaFree(chunk);
+  return slots;
+}
+
+void BM_decode_selection(benchmark::State& state) {
+  const int batch = static_cast<int>(state.range(0));
+  const auto context = static_cast<std::int32_t>(state.range(1));
+  const SparseAttentionConfig cfg;
+  mr::device_pool_resource device;
+  cache_type cache(device, cache_options(batch, context));
+  workload::splitmix64 rng(3);
+  const auto slots = fill_cache(cache, batch, context, rng);
   std::vector<bf16> q(static_cast<std::size_t>(batch) * kQHeads * kDim);
   for (auto& x : q) x = from_float<bf16>(static_cast<float>(rng.normal()));
   bf16* d_q = device_copy(q);
@@ -117,7 +132,6 @@ void BM_decode_selection(benchmark::State& state) {
   HISPARSE_CUDA_CHECK(cudaEventDestroy(start));
   HISPARSE_CUDA_CHECK(cudaEventDestroy(stop));
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
-  cudaFree(chunk);
   cudaFree(d_q);
   cudaFree(d_slots);
   cudaFree(kept);
@@ -125,8 +139,75 @@ void BM_decode_selection(benchmark::State& state) {
   cudaFree(window);
 }
 
+/// Prefill selection of a whole prompt of T tokens (every position a query,
+/// tiles of 64): one launch, CUDA events.
+void BM_prefill_selection(benchmark::State& state) {
+  const auto context = static_cast<std::int32_t>(state.range(0));
+  const SparseAttentionConfig cfg;
+  mr::device_pool_resource device;
+  cache_type cache(device, cache_options(1, context));
+  workload::splitmix64 rng(5);
+  const auto slots = fill_cache(cache, 1, context, rng);
+  std::vector<bf16> q(static_cast<std::size_t>(context) * kQHeads * kDim);
+  for (auto& x : q) x = from_float<bf16>(static_cast<float>(rng.normal()));
+  bf16* d_q = device_copy(q);
+  const std::int32_t tiles = select::prefill_tiles(0, context, cfg.query_tile);
+  const std::vector<select::prefill_segment> segs{{slots[0], 0, context, 0, 0}};
+  select::prefill_segment* d_segs = device_copy(segs);
+  std::int32_t *kept = nullptr, *num = nullptr, *window = nullptr;
+  HISPARSE_CUDA_CHECK(cudaMalloc(&kept, sizeof(std::int32_t) * tiles * kKvHeads * cfg.top_k_fine));
+  HISPARSE_CUDA_CHECK(cudaMalloc(&num, sizeof(std::int32_t) * tiles * kKvHeads));
+  HISPARSE_CUDA_CHECK(cudaMalloc(&window, sizeof(std::int32_t) * tiles));
+  select::prefill_selection_arguments<bf16> a;
+  a.queries = d_q;
+  a.segments = d_segs;
+  a.num_segments = 1;
+  a.num_tiles = tiles;
+  a.num_q_heads = kQHeads;
+  a.set_cache(cache.ref());
+  const select::prefill_selection_output out{kept, num, window};
+  cudaEvent_t start, stop;
+  HISPARSE_CUDA_CHECK(cudaEventCreate(&start));
+  HISPARSE_CUDA_CHECK(cudaEventCreate(&stop));
+  throw_if_error(select::select_prefill_async(cfg, a, out));  // warm-up
+  std::vector<double> t;
+  for (auto _ : state) {
+    HISPARSE_CUDA_CHECK(cudaEventRecord(start));
+    throw_if_error(select::select_prefill_async(cfg, a, out));
+    HISPARSE_CUDA_CHECK(cudaEventRecord(stop));
+    HISPARSE_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    HISPARSE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    t.push_back(ms * 1e-3);
+    state.SetIterationTime(t.back());
+  }
+  std::sort(t.begin(), t.end());
+  // Dot products the filters compute: per tile and KV head, its queries
+  // against every far block and against the kept blocks' far slices.
+  double fma = 0;
+  for (std::int32_t tile = 0; tile < tiles; ++tile) {
+    const std::int64_t p0 = std::int64_t{tile} * cfg.query_tile;
+    const std::int64_t x = p0 - cfg.window + 1;
+    const std::int64_t ws = x <= 0 ? 0 : x / cfg.fine_slice * cfg.fine_slice;
+    const std::int64_t blocks = (ws + cfg.coarse_block - 1) / cfg.coarse_block;
+    const std::int64_t fine = std::min<std::int64_t>(ws / cfg.fine_slice, std::int64_t{cfg.top_k_coarse} * 16);
+    fma += static_cast<double>(cfg.query_tile) * (blocks + fine) * kDim * kKvHeads;
+  }
+  state.counters["ms"] = t[t.size() / 2] * 1e3;
+  state.counters["TFLOPs"] = 2 * fma / t[t.size() / 2] * 1e-12;
+  HISPARSE_CUDA_CHECK(cudaEventDestroy(start));
+  HISPARSE_CUDA_CHECK(cudaEventDestroy(stop));
+  cudaFree(d_q);
+  cudaFree(d_segs);
+  cudaFree(kept);
+  cudaFree(num);
+  cudaFree(window);
+}
+
 }  // namespace
 
+BENCHMARK(BM_prefill_selection)->ArgNames({"T"})->Arg(32768)->Arg(262144)->UseManualTime()->Iterations(5)
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_decode_selection)->ArgNames({"B", "T"})
     ->ArgsProduct({{1, 8, 32}, {32768, 131072, 262144}})->UseManualTime()->Iterations(100)
     ->Unit(benchmark::kMicrosecond);

@@ -1,0 +1,351 @@
+#pragma once
+// Prefill selection: the coarse and fine filters of DESIGN.md section 1 for
+// query tiles of M consecutive positions (M = cfg.query_tile, tiles aligned
+// to multiples of M), one CTA per (tile, KV head), both filters in one launch.
+//
+// A tile's score of a candidate is the max over its queries of (the group's
+// summed query) . (the candidate's mean key): a small GEMM, M queries by 64
+// candidates at a time, fp32 on the CUDA cores (4 x 4 outputs per thread,
+// both operands transposed in shared memory so every load is a 16-byte
+// vector), then the max over the queries. Ranking and compaction are the
+// decode selection's (mark_top_k, compact_marked): ties to the lower index,
+// kept slices ascending, padded with -1.
+//
+// Work: at T = 256K and M = 64, about 5 GFMA per KV head (the fine stage's
+// 64 queries x 512 candidates x 128 dims per tile dominates), so the CUDA
+// cores bound a whole prompt at ~5 ms on an H200; tensor cores with split
+// fp32 (3xTF32) are the way under that.
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "hisparse/config.hpp"
+#include "hisparse/core/dtype.hpp"
+#include "hisparse/core/status.hpp"
+#include "hisparse/select/decode_selection.cuh"
+
+namespace hisparse::select {
+
+/// One sequence's run of prefill queries: positions [q_begin, q_begin + n),
+/// rows [query_offset, query_offset + n) of the queries array, and the first
+/// of its tiles in the output (tile_offset; its tiles are the M-aligned ones
+/// that hold any of its positions). The cache must already hold the keys up
+/// to q_begin + n (the queries' own keys included).
+struct prefill_segment {
+  std::int32_t slot = 0;
+  std::int32_t q_begin = 0;
+  std::int32_t num_queries = 0;
+  std::int32_t query_offset = 0;
+  std::int32_t tile_offset = 0;
+};
+
+/// Tiles a segment covers for query tile M.
+[[nodiscard]] HISPARSE_HOST_DEVICE inline std::int32_t prefill_tiles(std::int32_t q_begin, std::int32_t n, int m) {
+  return n <= 0 ? 0 : (q_begin + n - 1) / m - q_begin / m + 1;
+}
+
+/// Everything a prefill selection reads. `segments` lives on the device (its
+/// tile offsets counted by the host with prefill_tiles); `num_tiles` is their
+/// total, the launch's grid.
+template <class Q>
+struct prefill_selection_arguments {
+  const Q* queries = nullptr;  ///< [total queries][num_q_heads][head_dim]
+  const prefill_segment* segments = nullptr;
+  int num_segments = 0;
+  int num_tiles = 0;
+  int layer = 0;
+  int num_q_heads = 0;
+  // From the paged cache (kv::paged_kv_cache::ref()).
+  const float* slice_sums = nullptr;
+  const float* block_sums = nullptr;
+  int layers = 0, kv_heads = 0, head_dim = 0, fine_slice = 0, coarse_block = 0;
+  std::int32_t max_slices = 0, max_blocks = 0;
+
+  template <class T>
+  void set_cache(const kv::paged_kv_ref<T>& r) {
+    slice_sums = r.slice_sums;
+    block_sums = r.block_sums;
+    layers = r.layers;
+    kv_heads = r.kv_heads;
+    head_dim = r.head_dim;
+    fine_slice = r.fine_slice;
+    coarse_block = r.coarse_block;
+    max_slices = r.max_slices;
+    max_blocks = r.max_blocks;
+  }
+};
+
+/// Per tile and KV head: the kept slices (ascending, -1 padded) and their
+/// count; per tile: the window start ws (the window of the query at p is
+/// [ws, p]).
+struct prefill_selection_output {
+  std::int32_t* kept_slices = nullptr;   ///< [num_tiles][kv_heads][top_k_fine]
+  std::int32_t* num_slices = nullptr;    ///< [num_tiles][kv_heads]
+  std::int32_t* window_begin = nullptr;  ///< [num_tiles]
+  std::int32_t* kept_blocks = nullptr;   ///< optional [num_tiles][kv_heads][top_k_coarse]
+};
+
+namespace detail {
+
+/// Candidates scored per round: the GEMM tile's N.
+inline constexpr int kPrefillCandidates = 64;
+/// Queries per tile the kernel holds: the GEMM tile's M (query_tile <= 64).
+inline constexpr int kPrefillMaxQueries = 64;
+
+template <class Q>
+struct prefill_params {
+  prefill_selection_arguments<Q> in;
+  prefill_selection_output out;
+  int window, top_k_coarse, top_k_fine, query_tile;
+  selection_smem smem;  ///< ranking storage (decode's layout)
+  int qt_offset;        ///< float[D][64]: the tile's summed queries, transposed
+  int ct_offset;        ///< float[D][64]: a round's candidate sums, transposed
+  int red_offset;       ///< float[16][64]: per-thread-row maxima
+};
+
+/// Scores `count` candidates against the tile's `valid` summed queries (qt,
+/// transposed): score[c] = scale(c) * max_i qt[.][i] . sum(c). `load(c, d0,
+/// v)` fills floats d0..d0+3 of candidate c's key sum. A NaN product makes the
+/// score NaN (the reference's rule); masked query rows never count.
+template <int D, class Load, class ScaleOf>
+__device__ void score_candidates(int count, int valid, const float* qt, float* ct, float* red, float* scores,
+                                 Load load, ScaleOf scale_of) {
+  constexpr int kN = kPrefillCandidates;
+  const int t = static_cast<int>(threadIdx.x);
+  const int tq = t / 16, tc = t % 16;  // queries 4tq..4tq+3, candidates 4tc..4tc+3 of the round
+  for (int base = 0; base < count; base += kN) {
+    __syncthreads();  // the previous round's ct and red are no longer read
+    // Transposed load: thread t fills column (t % 64) at d = 4 (t / 64) + 16 j.
+    {
+      const int c = t % kN, c_global = base + c;
+      for (int d0 = (t / kN) * 4; d0 < D; d0 += (kSelectThreads / kN) * 4) {
+        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (c_global < count) load(c_global, d0, v);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) ct[(d0 + i) * kN + c] = v[i];
+      }
+    }
+    __syncthreads();
+    float acc[4][4] = {};
+#pragma unroll 4
+    for (int d = 0; d < D; ++d) {
+      const float4 q = *reinterpret_cast<const float4*>(qt + d * kN + 4 * tq);
+      const float4 x = *reinterpret_cast<const float4*>(ct + d * kN + 4 * tc);
+      const float qv[4] = {q.x, q.y, q.z, q.w}, xv[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(qv[i], xv[j], acc[i][j]);
+    }
+    // Max over this thread's valid queries, then over the 16 query groups.
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float best = -__int_as_float(0x7f800000);
+      bool nan = false;
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (4 * tq + i < valid) {
+          nan |= isnan(acc[i][j]);
+          best = fmaxf(best, acc[i][j]);
+        }
+      red[tq * kN + 4 * tc + j] = nan ? __int_as_float(0x7fffffff) : best;
+    }
+    __syncthreads();
+    if (t < kN && base + t < count) {
+      float best = -__int_as_float(0x7f800000);
+      bool nan = false;
+      for (int g = 0; g < 16; ++g) {
+        const float v = red[g * kN + t];
+        nan |= isnan(v);
+        best = fmaxf(best, v);
+      }
+      scores[base + t] = nan ? __int_as_float(0x7fffffff) : best * scale_of(base + t);
+    }
+  }
+  __syncthreads();
+}
+
+/// Grid: x = KV head, y = tile (across all segments).
+template <class Q, int D, bool Wide>
+__global__ void __launch_bounds__(kSelectThreads) prefill_selection_kernel(const __grid_constant__ prefill_params<Q> p) {
+  constexpr int kMaxCandidates = Wide ? kMaxSelectCandidates : kFilterMaxCandidates;
+  __shared__ selection_temp<Wide> temp;
+  __shared__ int seg_index;
+  extern __shared__ __align__(16) unsigned char smem[];
+  auto* keys = reinterpret_cast<topk_key*>(smem + p.smem.keys);
+  auto* coarse_scores = reinterpret_cast<float*>(smem + p.smem.coarse_scores);
+  auto* fine_scores = reinterpret_cast<float*>(smem + p.smem.fine_scores);
+  auto* keep = smem + p.smem.keep;
+  auto* kept_blocks = reinterpret_cast<std::int32_t*>(smem + p.smem.kept_blocks);
+  auto* qt = reinterpret_cast<float*>(smem + p.qt_offset);
+  auto* ct = reinterpret_cast<float*>(smem + p.ct_offset);
+  auto* red = reinterpret_cast<float*>(smem + p.red_offset);
+
+  const auto& in = p.in;
+  const int h = blockIdx.x, tile = blockIdx.y;
+  // The segment holding this tile: the last one whose tile_offset <= tile.
+  if (threadIdx.x == 0) {
+    int lo = 0, hi = in.num_segments - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (in.segments[mid].tile_offset <= tile) lo = mid;
+      else hi = mid - 1;
+    }
+    seg_index = lo;
+  }
+  __syncthreads();
+  const prefill_segment seg = in.segments[seg_index];
+  const int M = p.query_tile, F = in.fine_slice, C = in.coarse_block, spb = C / F;
+  const std::int32_t p0 = (seg.q_begin / M + (tile - seg.tile_offset)) * M;  // the tile's first position
+  const std::int32_t first = max(p0, seg.q_begin), last = min(p0 + M, seg.q_begin + seg.num_queries);
+  const int valid = last - first;  // queries of this segment in the tile
+  // Step 1: the window of the tile.
+  const std::int32_t x = p0 - p.window + 1;
+  const std::int32_t ws = x <= 0 ? 0 : x / F * F;
+  const std::int32_t far_slices = ws / F;
+  const std::int32_t blocks = (ws + C - 1) / C;
+  const std::int64_t at = std::int64_t{tile} * in.kv_heads + h;
+  if (h == 0 && threadIdx.x == 0) p.out.window_begin[tile] = ws;
+
+  // The group-summed queries of the tile, transposed: qt[d][i].
+  const int group = in.num_q_heads / in.kv_heads;
+  for (int e = threadIdx.x; e < kPrefillMaxQueries * D; e += kSelectThreads) {
+    const int i = e / D, d = e % D;
+    float acc = 0.0f;
+    if (i < valid) {
+      const Q* q = in.queries + ((std::int64_t{seg.query_offset} + (first - seg.q_begin) + i) * in.num_q_heads +
+                                 std::int64_t{h} * group) * D + d;
+      for (int g = 0; g < group; ++g) acc += to_float(q[std::int64_t{g} * D]);
+    }
+    qt[d * kPrefillCandidates + i] = acc;
+  }
+  // (score_candidates starts with a barrier.)
+
+  const std::int64_t seq_layer = std::int64_t{seg.slot} * in.layers + in.layer;
+  const std::int64_t head_stride = std::int64_t{in.kv_heads} * D;
+  const float* slice_base = in.slice_sums + (seq_layer * in.max_slices * in.kv_heads + h) * D;
+  const float* block_base = in.block_sums + (seq_layer * in.max_blocks * in.kv_heads + h) * D;
+
+  // Step 4: blocks; the one holding ws (if partial) by its far slices' sums.
+  const bool partial_last = std::int64_t{blocks} * C > ws;
+  score_candidates<D>(
+      blocks, valid, qt, ct, red, coarse_scores,
+      [&](int r, int d0, float(&v)[4]) {
+        if (partial_last && r == blocks - 1) {
+          for (std::int32_t sl = r * spb; sl < far_slices; ++sl) {
+            const float4 w = __ldg(reinterpret_cast<const float4*>(slice_base + sl * head_stride + d0));
+            v[0] += w.x, v[1] += w.y, v[2] += w.z, v[3] += w.w;
+          }
+        } else {
+          const float4 w = __ldg(reinterpret_cast<const float4*>(block_base + r * head_stride + d0));
+          v[0] = w.x, v[1] = w.y, v[2] = w.z, v[3] = w.w;
+        }
+      },
+      [&](int r) {
+        return 1.0f / static_cast<float>(partial_last && r == blocks - 1 ? ws - r * C : C);
+      });
+
+  int kept = 0;
+  std::int32_t* out_blocks = p.out.kept_blocks ? p.out.kept_blocks + at * p.top_k_coarse : nullptr;
+  if (blocks > 0) {  // uniform across the CTA
+    mark_top_k<Wide>(coarse_scores, blocks, p.top_k_coarse, keep, keys, temp);
+    kept = compact_marked<kMaxCandidates>(keep, blocks, temp.scan, [&](int pos, int block) {
+      kept_blocks[pos] = block;
+      if (out_blocks) out_blocks[pos] = block;
+    });
+  }
+  if (out_blocks)
+    for (int i = kept + threadIdx.x; i < p.top_k_coarse; i += kSelectThreads) out_blocks[i] = -1;
+
+  // Step 5: the far slices of the kept blocks (only the last kept block can
+  // reach past ws, so the real candidates are exactly the first `candidates`).
+  auto slice_of = [&](int c) { return kept_blocks[c / spb] * spb + c % spb; };
+  const int candidates = kept == 0 ? 0 : kept * spb - max(0, (kept_blocks[kept - 1] + 1) * spb - far_slices);
+  score_candidates<D>(
+      candidates, valid, qt, ct, red, fine_scores,
+      [&](int c, int d0, float(&v)[4]) {
+        const float4 w = __ldg(reinterpret_cast<const float4*>(slice_base + slice_of(c) * head_stride + d0));
+        v[0] = w.x, v[1] = w.y, v[2] = w.z, v[3] = w.w;
+      },
+      [&](int) { return 1.0f / static_cast<float>(F); });
+
+  std::int32_t* out_slices = p.out.kept_slices + at * p.top_k_fine;
+  int kept_slices = 0;
+  if (candidates > 0) {  // uniform across the CTA
+    mark_top_k<Wide>(fine_scores, candidates, p.top_k_fine, keep, keys, temp);
+    kept_slices = compact_marked<kMaxCandidates>(keep, candidates, temp.scan,
+                                                 [&](int pos, int c) { out_slices[pos] = slice_of(c); });
+  }
+  for (int i = kept_slices + threadIdx.x; i < p.top_k_fine; i += kSelectThreads) out_slices[i] = -1;
+  if (threadIdx.x == 0) p.out.num_slices[at] = kept_slices;
+}
+
+template <class Q, int D>
+status launch_prefill_selection(const prefill_params<Q>& p, bool wide, int bytes, cudaStream_t stream) {
+  auto* kernel = wide ? &prefill_selection_kernel<Q, D, true> : &prefill_selection_kernel<Q, D, false>;
+  HISPARSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  const dim3 grid(static_cast<unsigned>(p.in.kv_heads), static_cast<unsigned>(p.in.num_tiles));
+  kernel<<<grid, kSelectThreads, static_cast<std::size_t>(bytes), stream>>>(p);
+  HISPARSE_CUDA_TRY(cudaGetLastError());
+  return status::success;
+}
+
+}  // namespace detail
+
+/// Checks a prefill selection before any work.
+template <class Q>
+[[nodiscard]] status can_implement_prefill_selection(const SparseAttentionConfig& cfg,
+                                                     const prefill_selection_arguments<Q>& a,
+                                                     const prefill_selection_output& out) {
+  HISPARSE_TRY(check(cfg));
+  HISPARSE_TRY(check(attention_shape{a.num_q_heads, a.kv_heads, a.head_dim}));
+  auto bad = [](const std::string& why) { return fail(status::invalid_argument, "prefill selection: " + why); };
+  if (a.num_segments < 1 || a.num_tiles < 1) return bad("no segments or no tiles");
+  if (a.num_tiles > 65535) return fail(status::unsupported, "prefill selection: at most 65535 tiles per launch");
+  if (cfg.query_tile > detail::kPrefillMaxQueries)
+    return fail(status::unsupported, "prefill selection: query_tile " + std::to_string(cfg.query_tile) +
+                                         " exceeds the 64 queries a CTA holds");
+  if (a.queries == nullptr || a.segments == nullptr || a.slice_sums == nullptr || a.block_sums == nullptr)
+    return bad("queries, segments and the cache's summaries must not be null");
+  if (out.kept_slices == nullptr || out.num_slices == nullptr || out.window_begin == nullptr)
+    return bad("kept_slices, num_slices and window_begin outputs must not be null");
+  if (a.layer < 0 || a.layer >= a.layers) return bad("layer out of range");
+  if (a.fine_slice != cfg.fine_slice || a.coarse_block != cfg.coarse_block)
+    return bad("the cache's slice/block sizes differ from the config's");
+  if (a.max_blocks > detail::kMaxSelectCandidates ||
+      std::int64_t{cfg.top_k_coarse} * cfg.slices_per_block() > detail::kMaxSelectCandidates)
+    return fail(status::unsupported, "prefill selection ranks at most 4096 candidates per stage");
+  return status::success;
+}
+
+/// The selection of every query tile of a prefill batch: one launch, no
+/// sync, no allocation (capturable; the segments are device data).
+template <class Q>
+[[nodiscard]] status select_prefill_async(const SparseAttentionConfig& cfg, const prefill_selection_arguments<Q>& a,
+                                          const prefill_selection_output& out, cudaStream_t stream = nullptr) {
+  HISPARSE_TRY(can_implement_prefill_selection(cfg, a, out));
+  const bool wide = detail::wide_selection(cfg, a.max_blocks);
+  detail::prefill_params<Q> p{};
+  p.in = a;
+  p.out = out;
+  p.window = cfg.window;
+  p.top_k_coarse = cfg.top_k_coarse;
+  p.top_k_fine = cfg.top_k_fine;
+  p.query_tile = cfg.query_tile;
+  p.smem = detail::plan_selection_smem(cfg, a.max_blocks, wide);
+  const int tile_floats = a.head_dim * detail::kPrefillCandidates;
+  p.qt_offset = (p.smem.bytes + 15) / 16 * 16;
+  p.ct_offset = p.qt_offset + tile_floats * 4;
+  p.red_offset = p.ct_offset + tile_floats * 4;
+  const int bytes = p.red_offset + 16 * detail::kPrefillCandidates * 4;
+  switch (a.head_dim) {
+    case 64: return detail::launch_prefill_selection<Q, 64>(p, wide, bytes, stream);
+    case 128: return detail::launch_prefill_selection<Q, 128>(p, wide, bytes, stream);
+    default: return detail::launch_prefill_selection<Q, 256>(p, wide, bytes, stream);
+  }
+}
+
+}  // namespace hisparse::select
