@@ -143,6 +143,7 @@ void BM_decode_selection(benchmark::State& state) {
 /// tiles of 64): one launch, CUDA events.
 void BM_prefill_selection(benchmark::State& state) {
   const auto context = static_cast<std::int32_t>(state.range(0));
+  const bool tensor_cores = state.range(1) != 0;
   const SparseAttentionConfig cfg;
   mr::device_pool_resource device;
   cache_type cache(device, cache_options(1, context));
@@ -165,6 +166,7 @@ void BM_prefill_selection(benchmark::State& state) {
   a.num_tiles = tiles;
   a.num_q_heads = kQHeads;
   a.set_cache(cache.ref());
+  a.use_tensor_cores = tensor_cores;
   const select::prefill_selection_output out{kept, num, window};
   cudaEvent_t start, stop;
   HISPARSE_CUDA_CHECK(cudaEventCreate(&start));
@@ -206,7 +208,8 @@ void BM_prefill_selection(benchmark::State& state) {
 
 }  // namespace
 
-BENCHMARK(BM_prefill_selection)->ArgNames({"T"})->Arg(32768)->Arg(262144)->UseManualTime()->Iterations(5)
+BENCHMARK(BM_prefill_selection)->ArgNames({"T", "tensor_cores"})->ArgsProduct({{32768, 262144}, {1, 0}})
+    ->UseManualTime()->Iterations(5)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_decode_selection)->ArgNames({"B", "T"})
     ->ArgsProduct({{1, 8, 32}, {32768, 131072, 262144}})->UseManualTime()->Iterations(100)

@@ -25,7 +25,8 @@ using bf16 = __nv_bfloat16;
 
 /// Runs the prefill selection for the last `n[b]` positions of every
 /// sequence of `p` and checks each tile against the reference.
-void check_prefill(const test::problem<bf16>& p, const std::vector<std::int32_t>& n, std::uint64_t seed) {
+void check_prefill(const test::problem<bf16>& p, const std::vector<std::int32_t>& n, std::uint64_t seed,
+                   bool tensor_cores = true) {
   mr::device_pool_resource device;
   std::int64_t longest = 1;
   for (const auto len : p.lengths) longest = std::max(longest, len);
@@ -66,6 +67,7 @@ void check_prefill(const test::problem<bf16>& p, const std::vector<std::int32_t>
   a.num_tiles = tiles;
   a.num_q_heads = Hq;
   a.set_cache(cache.ref());
+  a.use_tensor_cores = tensor_cores;
   REQUIRE(select::select_prefill_async(p.cfg, a, select::prefill_selection_output{kept.ptr, num.ptr, window.ptr}) ==
           status::success);
   HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
@@ -109,7 +111,14 @@ TEST_CASE("prefill selection matches the reference tile by tile", "[gpu][select]
   INFO("seed " << seed);
   // A whole short prompt (no far region), prompts ending mid-tile, a long one.
   const auto p = test::make_problem<bf16>({32, 8, 128}, SparseAttentionConfig{}, {300, 5000, 70001}, seed);
-  check_prefill(p, {300, 200, 130}, seed + 1);
+  {
+    INFO("3xTF32 tensor cores");
+    check_prefill(p, {300, 200, 130}, seed + 1, true);
+  }
+  {
+    INFO("fp32 CUDA cores");
+    check_prefill(p, {300, 200, 130}, seed + 1, false);
+  }
 }
 
 TEST_CASE("prefill selection across GQA 1/4, head_dim 64/256, query tiles 16 and 64", "[gpu][select][prefill]") {
@@ -121,6 +130,7 @@ TEST_CASE("prefill selection across GQA 1/4, head_dim 64/256, query tiles 16 and
     for (const int dim : {64, 256}) {
       INFO("group " << group << ", head_dim " << dim);
       const auto p = test::make_problem<bf16>({2 * group, 2, dim}, small, {33, 1000, 9001}, seed + group * dim);
-      check_prefill(p, {33, 100, 77}, seed + 7);
+      check_prefill(p, {33, 100, 77}, seed + 7, true);
+      check_prefill(p, {33, 100, 77}, seed + 7, false);
     }
 }

@@ -5,16 +5,18 @@
 //
 // A tile's score of a candidate is the max over its queries of (the group's
 // summed query) . (the candidate's mean key): a small GEMM, M queries by 64
-// candidates at a time, fp32 on the CUDA cores (4 x 4 outputs per thread,
-// both operands transposed in shared memory so every load is a 16-byte
-// vector), then the max over the queries. Ranking and compaction are the
-// decode selection's (mark_top_k, compact_marked): ties to the lower index,
-// kept slices ascending, padded with -1.
+// candidates at a time, then the max over the queries. By default on the
+// tensor cores in split tf32 (3xTF32, ~fp32 accuracy: the contract's scores
+// are fp32-grade); `use_tensor_cores = false` runs fp32 FMA on the CUDA cores
+// (4 x 4 outputs per thread). Both operands sit transposed in shared memory.
+// Ranking and compaction are the decode selection's (mark_top_k,
+// compact_marked): ties to the lower index, kept slices ascending, padded
+// with -1.
 //
-// Work: at T = 256K and M = 64, about 5 GFMA per KV head (the fine stage's
-// 64 queries x 512 candidates x 128 dims per tile dominates), so the CUDA
-// cores bound a whole prompt at ~5 ms on an H200; tensor cores with split
-// fp32 (3xTF32) are the way under that.
+// Work: at T = 256K and M = 64, about 330 GFLOP for 8 KV heads (the fine
+// stage's 64 queries x 512 candidates x 128 dims per tile dominates): ~5 ms
+// at the CUDA cores' fp32 peak; 3xTF32 triples the tensor-core work, ~2-3 ms
+// at mma.sync rates.
 
 #include <algorithm>
 #include <cstdint>
@@ -63,6 +65,9 @@ struct prefill_selection_arguments {
   const float* block_sums = nullptr;
   int layers = 0, kv_heads = 0, head_dim = 0, fine_slice = 0, coarse_block = 0;
   std::int32_t max_slices = 0, max_blocks = 0;
+  /// Scores by 3xTF32 tensor-core products (~fp32 accuracy); false: fp32
+  /// FMA on the CUDA cores (tests compare the two).
+  bool use_tensor_cores = true;
 
   template <class T>
   void set_cache(const kv::paged_kv_ref<T>& r) {
@@ -92,6 +97,10 @@ namespace detail {
 
 /// Candidates scored per round: the GEMM tile's N.
 inline constexpr int kPrefillCandidates = 64;
+/// Floats per row of the transposed operands in shared memory: 64 and 8 of
+/// padding, so the tensor-core fragments' loads (4 rows by 8 columns a warp,
+/// bank 8 row + column) hit 32 different banks.
+inline constexpr int kPrefillStride = kPrefillCandidates + 8;
 /// Queries per tile the kernel holds: the GEMM tile's M (query_tile <= 64).
 inline constexpr int kPrefillMaxQueries = 64;
 
@@ -101,21 +110,42 @@ struct prefill_params {
   prefill_selection_output out;
   int window, top_k_coarse, top_k_fine, query_tile;
   selection_smem smem;  ///< ranking storage (decode's layout)
-  int qt_offset;        ///< float[D][64]: the tile's summed queries, transposed
-  int ct_offset;        ///< float[D][64]: a round's candidate sums, transposed
+  int qt_offset;        ///< float[D][kPrefillStride]: the tile's summed queries, transposed
+  int ct_offset;        ///< float[D][kPrefillStride]: a round's candidate sums, transposed
   int red_offset;       ///< float[16][64]: per-thread-row maxima
 };
+
+/// x rounded to tf32 (the bits of an fp32 with a 10-bit mantissa).
+__device__ __forceinline__ unsigned to_tf32(float x) {
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+/// d += a b for one m16n8k8 tf32 tile, fp32 accumulation.
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
 
 /// Scores `count` candidates against the tile's `valid` summed queries (qt,
 /// transposed): score[c] = scale(c) * max_i qt[.][i] . sum(c). `load(c, d0,
 /// v)` fills floats d0..d0+3 of candidate c's key sum. A NaN product makes the
 /// score NaN (the reference's rule); masked query rows never count.
-template <int D, class Load, class ScaleOf>
+///
+/// TensorCores: the 64 x 64 products by mma.m16n8k8 in split tf32 (3xTF32:
+/// a = a_hi + a_lo, a b ~ a_hi b_hi + a_hi b_lo + a_lo b_hi, ~fp32 accuracy),
+/// 8 warps of 16 queries x 32 candidates. Otherwise fp32 FMA on the CUDA
+/// cores, 4 x 4 products per thread.
+template <int D, bool TensorCores, class Load, class ScaleOf>
 __device__ void score_candidates(int count, int valid, const float* qt, float* ct, float* red, float* scores,
                                  Load load, ScaleOf scale_of) {
-  constexpr int kN = kPrefillCandidates;
+  constexpr int kN = kPrefillCandidates, kS = kPrefillStride;
+  constexpr int kGroups = TensorCores ? 4 : 16;  // rows of partial maxima per candidate
   const int t = static_cast<int>(threadIdx.x);
-  const int tq = t / 16, tc = t % 16;  // queries 4tq..4tq+3, candidates 4tc..4tc+3 of the round
+  const int tq = t / 16, tc = t % 16;  // CUDA cores: queries 4tq..4tq+3, candidates 4tc..4tc+3 of the round
   for (int base = 0; base < count; base += kN) {
     __syncthreads();  // the previous round's ct and red are no longer read
     // Transposed load: thread t fills column (t % 64) at d = 4 (t / 64) + 16 j.
@@ -125,39 +155,88 @@ __device__ void score_candidates(int count, int valid, const float* qt, float* c
         float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         if (c_global < count) load(c_global, d0, v);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) ct[(d0 + i) * kN + c] = v[i];
+        for (int i = 0; i < 4; ++i) ct[(d0 + i) * kS + c] = v[i];
       }
     }
     __syncthreads();
-    float acc[4][4] = {};
+    if constexpr (TensorCores) {
+      const int warp = t / 32, lane = t & 31, g = lane / 4, q4 = lane % 4;
+      const int qb = warp % 4, ch = warp / 4;  // queries 16qb.., candidates 32ch..
+      float acc[4][4] = {};
 #pragma unroll 4
-    for (int d = 0; d < D; ++d) {
-      const float4 q = *reinterpret_cast<const float4*>(qt + d * kN + 4 * tq);
-      const float4 x = *reinterpret_cast<const float4*>(ct + d * kN + 4 * tc);
-      const float qv[4] = {q.x, q.y, q.z, q.w}, xv[4] = {x.x, x.y, x.z, x.w};
+      for (int k0 = 0; k0 < D; k0 += 8) {
+        const float* qa = qt + (k0 + q4) * kS + 16 * qb + g;
+        const float av[4] = {qa[0], qa[8], qa[4 * kS], qa[4 * kS + 8]};
+        unsigned ahi[4], alo[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(qv[i], xv[j], acc[i][j]);
-    }
-    // Max over this thread's valid queries, then over the 16 query groups.
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      float best = -__int_as_float(0x7f800000);
-      bool nan = false;
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        if (4 * tq + i < valid) {
-          nan |= isnan(acc[i][j]);
-          best = fmaxf(best, acc[i][j]);
+        for (int i = 0; i < 4; ++i) {
+          ahi[i] = to_tf32(av[i]);
+          alo[i] = to_tf32(av[i] - __uint_as_float(ahi[i]));
         }
-      red[tq * kN + 4 * tc + j] = nan ? __int_as_float(0x7fffffff) : best;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          const float* cb = ct + (k0 + q4) * kS + 32 * ch + 8 * nt + g;
+          const float b0 = cb[0], b1 = cb[4 * kS];
+          const unsigned bhi0 = to_tf32(b0), bhi1 = to_tf32(b1);
+          const unsigned blo0 = to_tf32(b0 - __uint_as_float(bhi0)), blo1 = to_tf32(b1 - __uint_as_float(bhi1));
+          mma_tf32(acc[nt], alo, bhi0, bhi1);  // the small terms first
+          mma_tf32(acc[nt], ahi, blo0, blo1);
+          mma_tf32(acc[nt], ahi, bhi0, bhi1);
+        }
+      }
+      // acc[nt]: queries 16qb + g (0, 1) and + 8 (2, 3), candidates 32ch + 8nt + 2q4 (+1).
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float best = -__int_as_float(0x7f800000);
+          int nan = 0;
+          if (16 * qb + g < valid) {
+            nan |= isnan(acc[nt][e]) ? 1 : 0;
+            best = fmaxf(best, acc[nt][e]);
+          }
+          if (16 * qb + g + 8 < valid) {
+            nan |= isnan(acc[nt][2 + e]) ? 1 : 0;
+            best = fmaxf(best, acc[nt][2 + e]);
+          }
+#pragma unroll
+          for (int off = 4; off < 32; off <<= 1) {
+            best = fmaxf(best, __shfl_xor_sync(0xFFFFFFFFu, best, off));
+            nan |= __shfl_xor_sync(0xFFFFFFFFu, nan, off);
+          }
+          if (g == 0) red[qb * kN + 32 * ch + 8 * nt + 2 * q4 + e] = nan ? __int_as_float(0x7fffffff) : best;
+        }
+    } else {
+      float acc[4][4] = {};
+#pragma unroll 4
+      for (int d = 0; d < D; ++d) {
+        const float4 q = *reinterpret_cast<const float4*>(qt + d * kS + 4 * tq);
+        const float4 x = *reinterpret_cast<const float4*>(ct + d * kS + 4 * tc);
+        const float qv[4] = {q.x, q.y, q.z, q.w}, xv[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(qv[i], xv[j], acc[i][j]);
+      }
+      // Max over this thread's valid queries, then over the 16 query groups.
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float best = -__int_as_float(0x7f800000);
+        bool nan = false;
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          if (4 * tq + i < valid) {
+            nan |= isnan(acc[i][j]);
+            best = fmaxf(best, acc[i][j]);
+          }
+        red[tq * kN + 4 * tc + j] = nan ? __int_as_float(0x7fffffff) : best;
+      }
     }
     __syncthreads();
     if (t < kN && base + t < count) {
       float best = -__int_as_float(0x7f800000);
       bool nan = false;
-      for (int g = 0; g < 16; ++g) {
+      for (int g = 0; g < kGroups; ++g) {
         const float v = red[g * kN + t];
         nan |= isnan(v);
         best = fmaxf(best, v);
@@ -169,7 +248,7 @@ __device__ void score_candidates(int count, int valid, const float* qt, float* c
 }
 
 /// Grid: x = KV head, y = tile (across all segments).
-template <class Q, int D, bool Wide>
+template <class Q, int D, bool Wide, bool TensorCores>
 __global__ void __launch_bounds__(kSelectThreads) prefill_selection_kernel(const __grid_constant__ prefill_params<Q> p) {
   constexpr int kMaxCandidates = Wide ? kMaxSelectCandidates : kFilterMaxCandidates;
   __shared__ selection_temp<Wide> temp;
@@ -220,7 +299,7 @@ __global__ void __launch_bounds__(kSelectThreads) prefill_selection_kernel(const
                                  std::int64_t{h} * group) * D + d;
       for (int g = 0; g < group; ++g) acc += to_float(q[std::int64_t{g} * D]);
     }
-    qt[d * kPrefillCandidates + i] = acc;
+    qt[d * kPrefillStride + i] = acc;
   }
   // (score_candidates starts with a barrier.)
 
@@ -231,7 +310,7 @@ __global__ void __launch_bounds__(kSelectThreads) prefill_selection_kernel(const
 
   // Step 4: blocks; the one holding ws (if partial) by its far slices' sums.
   const bool partial_last = std::int64_t{blocks} * C > ws;
-  score_candidates<D>(
+  score_candidates<D, TensorCores>(
       blocks, valid, qt, ct, red, coarse_scores,
       [&](int r, int d0, float(&v)[4]) {
         if (partial_last && r == blocks - 1) {
@@ -264,7 +343,7 @@ __global__ void __launch_bounds__(kSelectThreads) prefill_selection_kernel(const
   // reach past ws, so the real candidates are exactly the first `candidates`).
   auto slice_of = [&](int c) { return kept_blocks[c / spb] * spb + c % spb; };
   const int candidates = kept == 0 ? 0 : kept * spb - max(0, (kept_blocks[kept - 1] + 1) * spb - far_slices);
-  score_candidates<D>(
+  score_candidates<D, TensorCores>(
       candidates, valid, qt, ct, red, fine_scores,
       [&](int c, int d0, float(&v)[4]) {
         const float4 w = __ldg(reinterpret_cast<const float4*>(slice_base + slice_of(c) * head_stride + d0));
@@ -284,8 +363,12 @@ __global__ void __launch_bounds__(kSelectThreads) prefill_selection_kernel(const
 }
 
 template <class Q, int D>
-status launch_prefill_selection(const prefill_params<Q>& p, bool wide, int bytes, cudaStream_t stream) {
-  auto* kernel = wide ? &prefill_selection_kernel<Q, D, true> : &prefill_selection_kernel<Q, D, false>;
+status launch_prefill_selection(const prefill_params<Q>& p, bool wide, bool tensor_cores, int bytes,
+                                cudaStream_t stream) {
+  auto* kernel = wide ? (tensor_cores ? &prefill_selection_kernel<Q, D, true, true>
+                                      : &prefill_selection_kernel<Q, D, true, false>)
+                      : (tensor_cores ? &prefill_selection_kernel<Q, D, false, true>
+                                      : &prefill_selection_kernel<Q, D, false, false>);
   HISPARSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   const dim3 grid(static_cast<unsigned>(p.in.kv_heads), static_cast<unsigned>(p.in.num_tiles));
   kernel<<<grid, kSelectThreads, static_cast<std::size_t>(bytes), stream>>>(p);
@@ -336,15 +419,15 @@ template <class Q>
   p.top_k_fine = cfg.top_k_fine;
   p.query_tile = cfg.query_tile;
   p.smem = detail::plan_selection_smem(cfg, a.max_blocks, wide);
-  const int tile_floats = a.head_dim * detail::kPrefillCandidates;
+  const int tile_floats = a.head_dim * detail::kPrefillStride;
   p.qt_offset = (p.smem.bytes + 15) / 16 * 16;
   p.ct_offset = p.qt_offset + tile_floats * 4;
   p.red_offset = p.ct_offset + tile_floats * 4;
   const int bytes = p.red_offset + 16 * detail::kPrefillCandidates * 4;
   switch (a.head_dim) {
-    case 64: return detail::launch_prefill_selection<Q, 64>(p, wide, bytes, stream);
-    case 128: return detail::launch_prefill_selection<Q, 128>(p, wide, bytes, stream);
-    default: return detail::launch_prefill_selection<Q, 256>(p, wide, bytes, stream);
+    case 64: return detail::launch_prefill_selection<Q, 64>(p, wide, a.use_tensor_cores, bytes, stream);
+    case 128: return detail::launch_prefill_selection<Q, 128>(p, wide, a.use_tensor_cores, bytes, stream);
+    default: return detail::launch_prefill_selection<Q, 256>(p, wide, a.use_tensor_cores, bytes, stream);
   }
 }
 
