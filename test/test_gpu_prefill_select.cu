@@ -2,7 +2,8 @@
 // (M consecutive positions) and KV head, the kept slices equal the
 // reference's (but for rare near-ties at the boundary), every window start
 // equals it, across GQA ratios, head dims, tile sizes, ragged segments and
-// tiles cut by a segment's first or last position.
+// tiles cut by a segment's last position; a segment that does not start on a
+// tile is refused by the host layout and reported (-1) by the kernel.
 #include <catch2/catch.hpp>
 
 #include <vector>
@@ -39,20 +40,20 @@ void check_prefill(const test::problem<bf16>& p, const std::vector<std::int32_t>
   workload::splitmix64 rng(seed);
   std::vector<bf16> queries;
   std::vector<select::prefill_segment> segs;
-  std::int32_t rows = 0, tiles = 0;
   for (int b = 0; b < B; ++b) {
+    // The last ~n[b] positions, from the tile boundary at or before len - n[b]
+    // (a chunk starts on a tile; its end may cut one).
     select::prefill_segment s;
+    const auto len = static_cast<std::int32_t>(p.lengths[static_cast<std::size_t>(b)]);
     s.slot = slots[static_cast<std::size_t>(b)];
-    s.num_queries = n[static_cast<std::size_t>(b)];
-    s.q_begin = static_cast<std::int32_t>(p.lengths[static_cast<std::size_t>(b)]) - s.num_queries;
-    s.query_offset = rows;
-    s.tile_offset = tiles;
+    s.q_begin = (len - n[static_cast<std::size_t>(b)]) / M * M;
+    s.num_queries = len - s.q_begin;
     for (std::int64_t i = 0; i < std::int64_t{s.num_queries} * Hq * D; ++i)
       queries.push_back(from_float<bf16>(static_cast<float>(rng.normal())));
-    rows += s.num_queries;
-    tiles += select::prefill_tiles(s.q_begin, s.num_queries, M);
     segs.push_back(s);
   }
+  int tiles = 0;
+  REQUIRE(select::layout_prefill_segments(segs.data(), B, M, tiles) == status::success);
   dev<bf16> d_q(queries);
   dev<select::prefill_segment> d_segs(segs);
   dev<std::int32_t> kept(static_cast<std::size_t>(tiles) * Hkv * kf), num(static_cast<std::size_t>(tiles) * Hkv),
@@ -133,4 +134,49 @@ TEST_CASE("prefill selection across GQA 1/4, head_dim 64/256, query tiles 16 and
       check_prefill(p, {33, 100, 77}, seed + 7, true);
       check_prefill(p, {33, 100, 77}, seed + 7, false);
     }
+}
+
+TEST_CASE("prefill segments off a tile boundary are refused on the host and reported by the kernel",
+          "[gpu][select][prefill]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  const auto p = test::make_problem<bf16>({8, 2, 64}, SparseAttentionConfig{}, {5000}, seed);
+  const int M = p.cfg.query_tile, Hq = p.shape.num_q_heads, Hkv = p.shape.num_kv_heads, kf = p.cfg.top_k_fine;
+  std::vector<select::prefill_segment> segs(1);
+  segs[0].q_begin = 4000 + 1;  // not a multiple of 64
+  segs[0].num_queries = 100;
+  int tiles = -7;
+  REQUIRE(select::layout_prefill_segments(segs.data(), 1, M, tiles) == status::invalid_argument);
+  CHECK(tiles == -7);
+  segs[0].q_begin = 0;
+  segs[0].num_queries = 0;
+  REQUIRE(select::layout_prefill_segments(segs.data(), 1, M, tiles) == status::invalid_argument);
+
+  // Built by hand past the host check: the kernel writes -1, never a selection.
+  mr::device_pool_resource device;
+  kv::paged_kv_cache<bf16, mr::device_pool_resource> cache(device, test::cache_options(p, 5000));
+  const auto slots = test::fill(p, cache);
+  segs[0] = select::prefill_segment{slots[0], 4001, 100, 0, 0};
+  tiles = select::prefill_tiles(4001, 100, M);
+  std::vector<bf16> queries(static_cast<std::size_t>(100) * Hq * p.shape.head_dim, from_float<bf16>(0.5f));
+  dev<bf16> d_q(queries);
+  dev<select::prefill_segment> d_segs(segs);
+  dev<std::int32_t> kept(static_cast<std::size_t>(tiles) * Hkv * kf), num(static_cast<std::size_t>(tiles) * Hkv),
+      window(static_cast<std::size_t>(tiles));
+  // Not the usual poison: its 0xFF bytes already read as -1.
+  HISPARSE_CUDA_CHECK(cudaMemset(kept.ptr, 0x11, kept.n * sizeof(std::int32_t)));
+  HISPARSE_CUDA_CHECK(cudaMemset(num.ptr, 0x11, num.n * sizeof(std::int32_t)));
+  select::prefill_selection_arguments<bf16> a;
+  a.queries = d_q.ptr;
+  a.segments = d_segs.ptr;
+  a.num_segments = 1;
+  a.num_tiles = tiles;
+  a.num_q_heads = Hq;
+  a.set_cache(cache.ref());
+  REQUIRE(select::select_prefill_async(p.cfg, a, select::prefill_selection_output{kept.ptr, num.ptr, window.ptr}) ==
+          status::success);
+  HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
+  for (const auto c : num.download()) REQUIRE(c == -1);
+  for (const auto s : kept.download()) REQUIRE(s == -1);
 }

@@ -34,8 +34,11 @@ namespace hisparse::select {
 /// One sequence's run of prefill queries: positions [q_begin, q_begin + n),
 /// rows [query_offset, query_offset + n) of the queries array, and the first
 /// of its tiles in the output (tile_offset; its tiles are the M-aligned ones
-/// that hold any of its positions). The cache must already hold the keys up
-/// to q_begin + n (the queries' own keys included).
+/// that hold any of its positions). q_begin is a multiple of the query tile M
+/// (a chunked prefill cuts between tiles, so a tile's max over its queries
+/// does not depend on the chunking); the kernel reports a segment that breaks
+/// this with num_slices = -1. The cache must already hold the keys up to
+/// q_begin + n (the queries' own keys included).
 struct prefill_segment {
   std::int32_t slot = 0;
   std::int32_t q_begin = 0;
@@ -47,6 +50,30 @@ struct prefill_segment {
 /// Tiles a segment covers for query tile M.
 [[nodiscard]] HISPARSE_HOST_DEVICE inline std::int32_t prefill_tiles(std::int32_t q_begin, std::int32_t n, int m) {
   return n <= 0 ? 0 : (q_begin + n - 1) / m - q_begin / m + 1;
+}
+
+/// Host side: checks `count` segments (slot, q_begin, num_queries set) for
+/// query tile m, packs their query rows in order (query_offset) and numbers
+/// their tiles (tile_offset); `num_tiles` gets the total, the launch's grid.
+[[nodiscard]] inline status layout_prefill_segments(prefill_segment* segs, int count, int m, int& num_tiles) {
+  if (count < 1 || m < 1) return fail(status::invalid_argument, "prefill segments: need segments and a query tile");
+  std::int64_t rows = 0, tiles = 0;
+  for (int i = 0; i < count; ++i) {
+    prefill_segment& s = segs[i];
+    if (s.q_begin < 0 || s.num_queries < 1 || s.q_begin % m != 0)
+      return fail(status::invalid_argument,
+                  "prefill segment " + std::to_string(i) + ": q_begin " + std::to_string(s.q_begin) +
+                      " must be a non-negative multiple of the query tile " + std::to_string(m) +
+                      " and num_queries " + std::to_string(s.num_queries) + " at least 1");
+    s.query_offset = static_cast<std::int32_t>(rows);
+    s.tile_offset = static_cast<std::int32_t>(tiles);
+    rows += s.num_queries;
+    tiles += prefill_tiles(s.q_begin, s.num_queries, m);
+    if (rows > 0x7FFFFFFF || tiles > 0x7FFFFFFF)
+      return fail(status::invalid_argument, "prefill segments: more than 2^31 - 1 query rows or tiles");
+  }
+  num_tiles = static_cast<int>(tiles);
+  return status::success;
 }
 
 /// Everything a prefill selection reads. `segments` lives on the device (its
@@ -281,12 +308,17 @@ __global__ void __launch_bounds__(kSelectThreads) prefill_selection_kernel(const
   const std::int32_t p0 = (seg.q_begin / M + (tile - seg.tile_offset)) * M;  // the tile's first position
   const std::int32_t first = max(p0, seg.q_begin), last = min(p0 + M, seg.q_begin + seg.num_queries);
   const int valid = last - first;  // queries of this segment in the tile
+  const std::int64_t at = std::int64_t{tile} * in.kv_heads + h;
+  if (seg.q_begin % M != 0) {  // uniform: a broken segment is reported, never half-selected
+    for (int i = threadIdx.x; i < p.top_k_fine; i += kSelectThreads) p.out.kept_slices[at * p.top_k_fine + i] = -1;
+    if (threadIdx.x == 0) p.out.num_slices[at] = -1;
+    return;
+  }
   // Step 1: the window of the tile.
   const std::int32_t x = p0 - p.window + 1;
   const std::int32_t ws = x <= 0 ? 0 : x / F * F;
   const std::int32_t far_slices = ws / F;
   const std::int32_t blocks = (ws + C - 1) / C;
-  const std::int64_t at = std::int64_t{tile} * in.kv_heads + h;
   if (h == 0 && threadIdx.x == 0) p.out.window_begin[tile] = ws;
 
   // The group-summed queries of the tile, transposed: qt[d][i].

@@ -252,7 +252,7 @@ class block_topk {
       }
     __syncthreads();
     const int found = static_cast<int>(min(storage_.fill, want));
-    const int cap = sort_capacity(k);
+    const int cap = pow2(k);  // the bitonic network needs a power of two (not sort_capacity)
     for (int i = found + static_cast<int>(threadIdx.x); i < cap; i += Threads) sorted[i] = kNoCandidate;
     for (int size = 2; size <= cap; size <<= 1)
       for (int stride = size / 2; stride > 0; stride >>= 1) {
