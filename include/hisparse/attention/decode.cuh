@@ -36,6 +36,7 @@
 #include <cuda_runtime_api.h>
 
 #include "hisparse/config.hpp"
+#include "hisparse/core/async_copy.cuh"
 #include "hisparse/core/dtype.hpp"
 #include "hisparse/core/kernel_build.hpp"
 #include "hisparse/core/status.hpp"
@@ -170,32 +171,11 @@ struct decode_attention_params {
 
 // ---- PTX wrappers (sm_80+: cp.async, ldmatrix, mma.sync; sm_90: griddepcontrol)
 
-__device__ __forceinline__ unsigned smem_address(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-/// 16 bytes global -> shared, bypassing L1; src_bytes = 0 writes zeros.
-__device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-/// Waits until at most `pending` (a run-time value below MaxStages) groups
-/// of this thread's copies are still in flight.
-template <int MaxStages>
-__device__ __forceinline__ void cp_async_wait_at_most(int pending) {
-  if constexpr (MaxStages > 1) {
-    if (pending >= MaxStages - 2) {
-      cp_async_wait<(MaxStages > 2 ? MaxStages - 2 : 0)>();
-      return;
-    }
-    cp_async_wait_at_most<MaxStages - 1>(pending);
-  } else {
-    cp_async_wait<0>();
-  }
-}
+using ptx::cp_async_16;
+using ptx::cp_async_commit;
+using ptx::cp_async_wait;
+using ptx::cp_async_wait_at_most;
+using ptx::smem_address;
 __device__ __forceinline__ void ldmatrix_x4(unsigned addr, unsigned (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])

@@ -8,7 +8,10 @@
 // candidates at a time, then the max over the queries. By default on the
 // tensor cores in split tf32 (3xTF32, ~fp32 accuracy: the contract's scores
 // are fp32-grade); `use_tensor_cores = false` runs fp32 FMA on the CUDA cores
-// (4 x 4 outputs per thread). Both operands sit transposed in shared memory.
+// (4 x 4 outputs per thread). Queries and candidates sit row by row in shared
+// memory (D + 4 floats a row); the candidates of the next round stream in by
+// cp.async while this round's are scored (a 2-deep ring where shared memory
+// allows, else 1).
 // Ranking and compaction are the decode selection's (mark_top_k,
 // compact_marked): ties to the lower index, kept slices ascending, padded
 // with -1.
@@ -27,6 +30,7 @@
 #include "hisparse/config.hpp"
 #include "hisparse/core/dtype.hpp"
 #include "hisparse/core/status.hpp"
+#include "hisparse/core/async_copy.cuh"
 #include "hisparse/select/decode_selection.cuh"
 
 namespace hisparse::select {
@@ -124,10 +128,15 @@ namespace detail {
 
 /// Candidates scored per round: the GEMM tile's N.
 inline constexpr int kPrefillCandidates = 64;
-/// Floats per row of the transposed operands in shared memory: 64 and 8 of
-/// padding, so the tensor-core fragments' loads (4 rows by 8 columns a warp,
-/// bank 8 row + column) hit 32 different banks.
-inline constexpr int kPrefillStride = kPrefillCandidates + 8;
+/// Floats per shared-memory row of a query or a candidate: D and 4 of
+/// padding, so row r starts 4r banks on. The tensor-core fragment loads (8
+/// rows x 4 columns a warp) and the CUDA-core path's float4 loads (8 rows a
+/// quarter-warp) then hit 32 different banks, and rows stay 16-byte aligned
+/// for cp.async.
+HISPARSE_HOST_DEVICE constexpr int prefill_row_floats(int head_dim) { return head_dim + 4; }
+/// Rows of partial maxima per candidate the reduction keeps (the CUDA-core
+/// path's 16 query groups; the tensor cores use 4).
+inline constexpr int kPrefillMaxGroups = 16;
 /// Queries per tile the kernel holds: the GEMM tile's M (query_tile <= 64).
 inline constexpr int kPrefillMaxQueries = 64;
 
@@ -136,18 +145,14 @@ struct prefill_params {
   prefill_selection_arguments<Q> in;
   prefill_selection_output out;
   int window, top_k_coarse, top_k_fine, query_tile;
-  selection_smem smem;  ///< ranking storage (decode's layout)
-  int qt_offset;        ///< float[D][kPrefillStride]: the tile's summed queries, transposed
-  int ct_offset;        ///< float[D][kPrefillStride]: a round's candidate sums, transposed
-  int red_offset;       ///< float[16][64]: per-thread-row maxima
+  selection_smem smem;  ///< ranking storage (decode's layout; its keys lie on the ring)
+  int partial_offset;   ///< float[D]: the partial coarse block's summed far slices
+  int red_offset;       ///< float[16][64]: partial maxima per candidate
+  int q_offset;         ///< float[64][D + 4]: the tile's group-summed queries
+  int ring_offset;      ///< stages x float[64][D + 4]: candidate rows of a round
+  int stages;           ///< 1 or 2
 };
 
-/// x rounded to tf32 (the bits of an fp32 with a 10-bit mantissa).
-__device__ __forceinline__ unsigned to_tf32(float x) {
-  unsigned r;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-  return r;
-}
 /// d += a b for one m16n8k8 tf32 tile, fp32 accumulation.
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
   asm volatile(
@@ -157,55 +162,75 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-/// Scores `count` candidates against the tile's `valid` summed queries (qt,
-/// transposed): score[c] = scale(c) * max_i qt[.][i] . sum(c). `load(c, d0,
-/// v)` fills floats d0..d0+3 of candidate c's key sum. A NaN product makes the
-/// score NaN (the reference's rule); masked query rows never count.
+/// The fp32 bits of x cut to tf32 (the low 13 mantissa bits cleared): x -
+/// tf32_cut(x) is exact in fp32, so x = hi + lo splits without rounding.
+__device__ __forceinline__ unsigned tf32_cut(float x) { return __float_as_uint(x) & 0xFFFFE000u; }
+
+/// Scores `count` candidates against the tile's `valid` summed queries (qs,
+/// one row per query): scores[c] = scale_of(c) * max_i qs[i] . row(c), where
+/// row_of(c) is candidate c's D-float key sum: a global row, or `partial` (in
+/// shared memory, copied rather than streamed). A NaN product makes the score
+/// NaN (the reference's rule); masked query rows never count.
 ///
-/// TensorCores: the 64 x 64 products by mma.m16n8k8 in split tf32 (3xTF32:
-/// a = a_hi + a_lo, a b ~ a_hi b_hi + a_hi b_lo + a_lo b_hi, ~fp32 accuracy),
-/// 8 warps of 16 queries x 32 candidates. Otherwise fp32 FMA on the CUDA
-/// cores, 4 x 4 products per thread.
-template <int D, bool TensorCores, class Load, class ScaleOf>
-__device__ void score_candidates(int count, int valid, const float* qt, float* ct, float* red, float* scores,
-                                 Load load, ScaleOf scale_of) {
-  constexpr int kN = kPrefillCandidates, kS = kPrefillStride;
-  constexpr int kGroups = TensorCores ? 4 : 16;  // rows of partial maxima per candidate
+/// Rounds of 64 candidates go through `stages` ring buffers: round r + 1 is
+/// in flight (cp.async, a warp per 512-byte row) while round r is scored.
+/// TensorCores: mma.m16n8k8 in split tf32 (3xTF32: a = a_hi + a_lo, a b ~
+/// a_hi b_hi + a_hi b_lo + a_lo b_hi, ~fp32 accuracy), 8 warps of 16 queries
+/// x 32 candidates. Otherwise fp32 FMA on the CUDA cores, 4 x 4 per thread
+/// (queries tq + 16i, candidates tc + 16j).
+template <int D, bool TensorCores, class RowOf, class ScaleOf>
+__device__ void score_candidates(int count, int valid, int stages, const float* qs, float* ring, float* red,
+                                 const float* partial, const float* any_row, float* scores, RowOf row_of,
+                                 ScaleOf scale_of) {
+  constexpr int kN = kPrefillCandidates, kR = prefill_row_floats(D), kChunks = D / 4;
+  constexpr int kTileFloats = kN * kR;
+  constexpr int kGroups = TensorCores ? 4 : kPrefillMaxGroups;
   const int t = static_cast<int>(threadIdx.x);
-  const int tq = t / 16, tc = t % 16;  // CUDA cores: queries 4tq..4tq+3, candidates 4tc..4tc+3 of the round
-  for (int base = 0; base < count; base += kN) {
-    __syncthreads();  // the previous round's ct and red are no longer read
-    // Transposed load: thread t fills column (t % 64) at d = 4 (t / 64) + 16 j.
-    {
-      const int c = t % kN, c_global = base + c;
-      for (int d0 = (t / kN) * 4; d0 < D; d0 += (kSelectThreads / kN) * 4) {
-        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (c_global < count) load(c_global, d0, v);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) ct[(d0 + i) * kS + c] = v[i];
+  const int rounds = (count + kN - 1) / kN;
+  auto issue = [&](int round) {
+    if (round < rounds) {
+      float* buf = ring + (round % stages) * kTileFloats;
+#pragma unroll 4
+      for (int e = t; e < kN * kChunks; e += kSelectThreads) {
+        const int c = e / kChunks, piece = e % kChunks, cand = round * kN + c;
+        float* dst = buf + c * kR + piece * 4;
+        const float* src = cand < count ? row_of(cand) : nullptr;
+        if (src == partial)
+          *reinterpret_cast<float4*>(dst) = *reinterpret_cast<const float4*>(partial + piece * 4);
+        else  // past the candidates: zeros, nothing read
+          ptx::cp_async_16(ptx::smem_address(dst), src ? src + piece * 4 : any_row, src ? 16 : 0);
       }
     }
-    __syncthreads();
+    ptx::cp_async_commit();  // every thread, every round (empty groups too): uniform group counts
+  };
+  __syncthreads();  // the ring's last use (the ranking's keys, or the previous stage) is over
+  if (stages == 2) issue(0);
+  for (int r = 0; r < rounds; ++r) {
+    issue(r + stages - 1);
+    if (stages == 2) ptx::cp_async_wait<1>();
+    else ptx::cp_async_wait<0>();
+    __syncthreads();  // round r's rows have landed, for every thread
+    const float* cs = ring + (r % stages) * kTileFloats;
     if constexpr (TensorCores) {
       const int warp = t / 32, lane = t & 31, g = lane / 4, q4 = lane % 4;
       const int qb = warp % 4, ch = warp / 4;  // queries 16qb.., candidates 32ch..
+      const float* qa = qs + (16 * qb + g) * kR + q4;
+      const float* cb = cs + (32 * ch + g) * kR + q4;
       float acc[4][4] = {};
 #pragma unroll 4
       for (int k0 = 0; k0 < D; k0 += 8) {
-        const float* qa = qt + (k0 + q4) * kS + 16 * qb + g;
-        const float av[4] = {qa[0], qa[8], qa[4 * kS], qa[4 * kS + 8]};
+        const float av[4] = {qa[k0], qa[8 * kR + k0], qa[k0 + 4], qa[8 * kR + k0 + 4]};
         unsigned ahi[4], alo[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          ahi[i] = to_tf32(av[i]);
-          alo[i] = to_tf32(av[i] - __uint_as_float(ahi[i]));
+          ahi[i] = tf32_cut(av[i]);
+          alo[i] = tf32_cut(av[i] - __uint_as_float(ahi[i]));
         }
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
-          const float* cb = ct + (k0 + q4) * kS + 32 * ch + 8 * nt + g;
-          const float b0 = cb[0], b1 = cb[4 * kS];
-          const unsigned bhi0 = to_tf32(b0), bhi1 = to_tf32(b1);
-          const unsigned blo0 = to_tf32(b0 - __uint_as_float(bhi0)), blo1 = to_tf32(b1 - __uint_as_float(bhi1));
+          const float b0 = cb[nt * 8 * kR + k0], b1 = cb[nt * 8 * kR + k0 + 4];
+          const unsigned bhi0 = tf32_cut(b0), bhi1 = tf32_cut(b1);
+          const unsigned blo0 = tf32_cut(b0 - __uint_as_float(bhi0)), blo1 = tf32_cut(b1 - __uint_as_float(bhi1));
           mma_tf32(acc[nt], alo, bhi0, bhi1);  // the small terms first
           mma_tf32(acc[nt], ahi, blo0, blo1);
           mma_tf32(acc[nt], ahi, bhi0, bhi1);
@@ -234,33 +259,42 @@ __device__ void score_candidates(int count, int valid, const float* qt, float* c
           if (g == 0) red[qb * kN + 32 * ch + 8 * nt + 2 * q4 + e] = nan ? __int_as_float(0x7fffffff) : best;
         }
     } else {
+      const int tq = t / 16, tc = t % 16;
       float acc[4][4] = {};
-#pragma unroll 4
-      for (int d = 0; d < D; ++d) {
-        const float4 q = *reinterpret_cast<const float4*>(qt + d * kS + 4 * tq);
-        const float4 x = *reinterpret_cast<const float4*>(ct + d * kS + 4 * tc);
-        const float qv[4] = {q.x, q.y, q.z, q.w}, xv[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll 1
+      for (int d = 0; d < D; d += 4) {
+        float4 q[4], x[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) q[i] = *reinterpret_cast<const float4*>(qs + (tq + 16 * i) * kR + d);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) x[j] = *reinterpret_cast<const float4*>(cs + (tc + 16 * j) * kR + d);
 #pragma unroll
         for (int i = 0; i < 4; ++i)
 #pragma unroll
-          for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(qv[i], xv[j], acc[i][j]);
+          for (int j = 0; j < 4; ++j) {
+            float a = acc[i][j];
+            a = fmaf(q[i].x, x[j].x, a);
+            a = fmaf(q[i].y, x[j].y, a);
+            a = fmaf(q[i].z, x[j].z, a);
+            acc[i][j] = fmaf(q[i].w, x[j].w, a);
+          }
       }
-      // Max over this thread's valid queries, then over the 16 query groups.
+      // Max over this thread's valid queries; the 16 query groups below.
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         float best = -__int_as_float(0x7f800000);
         bool nan = false;
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-          if (4 * tq + i < valid) {
+          if (tq + 16 * i < valid) {
             nan |= isnan(acc[i][j]);
             best = fmaxf(best, acc[i][j]);
           }
-        red[tq * kN + 4 * tc + j] = nan ? __int_as_float(0x7fffffff) : best;
+        red[tq * kN + tc + 16 * j] = nan ? __int_as_float(0x7fffffff) : best;
       }
     }
-    __syncthreads();
-    if (t < kN && base + t < count) {
+    __syncthreads();  // red is complete; this round's buffer is free for round r + stages
+    if (t < kN && r * kN + t < count) {
       float best = -__int_as_float(0x7f800000);
       bool nan = false;
       for (int g = 0; g < kGroups; ++g) {
@@ -268,7 +302,7 @@ __device__ void score_candidates(int count, int valid, const float* qt, float* c
         nan |= isnan(v);
         best = fmaxf(best, v);
       }
-      scores[base + t] = nan ? __int_as_float(0x7fffffff) : best * scale_of(base + t);
+      scores[r * kN + t] = nan ? __int_as_float(0x7fffffff) : best * scale_of(r * kN + t);
     }
   }
   __syncthreads();
@@ -286,9 +320,10 @@ __global__ void __launch_bounds__(kSelectThreads) prefill_selection_kernel(const
   auto* fine_scores = reinterpret_cast<float*>(smem + p.smem.fine_scores);
   auto* keep = smem + p.smem.keep;
   auto* kept_blocks = reinterpret_cast<std::int32_t*>(smem + p.smem.kept_blocks);
-  auto* qt = reinterpret_cast<float*>(smem + p.qt_offset);
-  auto* ct = reinterpret_cast<float*>(smem + p.ct_offset);
+  auto* partial = reinterpret_cast<float*>(smem + p.partial_offset);
   auto* red = reinterpret_cast<float*>(smem + p.red_offset);
+  auto* qs = reinterpret_cast<float*>(smem + p.q_offset);
+  auto* ring = reinterpret_cast<float*>(smem + p.ring_offset);
 
   const auto& in = p.in;
   const int h = blockIdx.x, tile = blockIdx.y;
@@ -321,39 +356,50 @@ __global__ void __launch_bounds__(kSelectThreads) prefill_selection_kernel(const
   const std::int32_t blocks = (ws + C - 1) / C;
   if (h == 0 && threadIdx.x == 0) p.out.window_begin[tile] = ws;
 
-  // The group-summed queries of the tile, transposed: qt[d][i].
+  // The group-summed queries of the tile, a row each (zeros past `valid`):
+  // 8 dims a thread at a time, one 16-byte load per head of the group.
+  constexpr int kR = prefill_row_floats(D);
   const int group = in.num_q_heads / in.kv_heads;
-  for (int e = threadIdx.x; e < kPrefillMaxQueries * D; e += kSelectThreads) {
-    const int i = e / D, d = e % D;
-    float acc = 0.0f;
+  for (int e = threadIdx.x; e < kPrefillMaxQueries * (D / 8); e += kSelectThreads) {
+    const int i = e / (D / 8), d0 = (e % (D / 8)) * 8;
+    float acc[8] = {};
     if (i < valid) {
       const Q* q = in.queries + ((std::int64_t{seg.query_offset} + (first - seg.q_begin) + i) * in.num_q_heads +
-                                 std::int64_t{h} * group) * D + d;
-      for (int g = 0; g < group; ++g) acc += to_float(q[std::int64_t{g} * D]);
+                                 std::int64_t{h} * group) * D + d0;
+      for (int g = 0; g < group; ++g) {
+        if constexpr (sizeof(Q) == 2) {
+          const uint4 raw = __ldg(reinterpret_cast<const uint4*>(q + std::int64_t{g} * D));
+          const Q* v = reinterpret_cast<const Q*>(&raw);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[j] += to_float(v[j]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[j] += to_float(q[std::int64_t{g} * D + j]);
+        }
+      }
     }
-    qt[d * kPrefillStride + i] = acc;
+    *reinterpret_cast<float4*>(qs + i * kR + d0) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    *reinterpret_cast<float4*>(qs + i * kR + d0 + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
   }
-  // (score_candidates starts with a barrier.)
 
   const std::int64_t seq_layer = std::int64_t{seg.slot} * in.layers + in.layer;
   const std::int64_t head_stride = std::int64_t{in.kv_heads} * D;
   const float* slice_base = in.slice_sums + (seq_layer * in.max_slices * in.kv_heads + h) * D;
   const float* block_base = in.block_sums + (seq_layer * in.max_blocks * in.kv_heads + h) * D;
 
-  // Step 4: blocks; the one holding ws (if partial) by its far slices' sums.
+  // Step 4: blocks; the one holding ws (if partial) by its far slices' sums,
+  // added up here once (score_candidates starts with a barrier).
   const bool partial_last = std::int64_t{blocks} * C > ws;
+  if (partial_last)
+    for (int d = threadIdx.x; d < D; d += kSelectThreads) {
+      float sum = 0.0f;
+      for (std::int32_t sl = (blocks - 1) * spb; sl < far_slices; ++sl) sum += __ldg(slice_base + sl * head_stride + d);
+      partial[d] = sum;
+    }
   score_candidates<D, TensorCores>(
-      blocks, valid, qt, ct, red, coarse_scores,
-      [&](int r, int d0, float(&v)[4]) {
-        if (partial_last && r == blocks - 1) {
-          for (std::int32_t sl = r * spb; sl < far_slices; ++sl) {
-            const float4 w = __ldg(reinterpret_cast<const float4*>(slice_base + sl * head_stride + d0));
-            v[0] += w.x, v[1] += w.y, v[2] += w.z, v[3] += w.w;
-          }
-        } else {
-          const float4 w = __ldg(reinterpret_cast<const float4*>(block_base + r * head_stride + d0));
-          v[0] = w.x, v[1] = w.y, v[2] = w.z, v[3] = w.w;
-        }
+      blocks, valid, p.stages, qs, ring, red, partial, slice_base, coarse_scores,
+      [&](int r) -> const float* {
+        return partial_last && r == blocks - 1 ? partial : block_base + r * head_stride;
       },
       [&](int r) {
         return 1.0f / static_cast<float>(partial_last && r == blocks - 1 ? ws - r * C : C);
@@ -376,11 +422,8 @@ __global__ void __launch_bounds__(kSelectThreads) prefill_selection_kernel(const
   auto slice_of = [&](int c) { return kept_blocks[c / spb] * spb + c % spb; };
   const int candidates = kept == 0 ? 0 : kept * spb - max(0, (kept_blocks[kept - 1] + 1) * spb - far_slices);
   score_candidates<D, TensorCores>(
-      candidates, valid, qt, ct, red, fine_scores,
-      [&](int c, int d0, float(&v)[4]) {
-        const float4 w = __ldg(reinterpret_cast<const float4*>(slice_base + slice_of(c) * head_stride + d0));
-        v[0] = w.x, v[1] = w.y, v[2] = w.z, v[3] = w.w;
-      },
+      candidates, valid, p.stages, qs, ring, red, partial, slice_base, fine_scores,
+      [&](int c) -> const float* { return slice_base + slice_of(c) * head_stride; },
       [&](int) { return 1.0f / static_cast<float>(F); });
 
   std::int32_t* out_slices = p.out.kept_slices + at * p.top_k_fine;
@@ -394,13 +437,55 @@ __global__ void __launch_bounds__(kSelectThreads) prefill_selection_kernel(const
   if (threadIdx.x == 0) p.out.num_slices[at] = kept_slices;
 }
 
+/// Lays out a prefill CTA's shared memory in `p`: ranking storage (decode's
+/// layout, its key scratch moved onto the ring, which is idle while ranking),
+/// the partial block, the reduction, the queries and the ring, 2-deep where
+/// `limit` bytes allow, else 1. Returns the bytes, or 0 where not even one
+/// stage fits.
+template <class Q>
+int plan_prefill_smem(prefill_params<Q>& p, const SparseAttentionConfig& cfg, bool wide, int head_dim, int limit) {
+  auto align = [](int x) { return (x + 15) / 16 * 16; };
+  selection_smem sel = plan_selection_smem(cfg, p.in.max_blocks, wide);
+  const int key_bytes = sel.coarse_scores;  // [keys | the rest]: the keys first
+  sel.coarse_scores -= key_bytes;
+  sel.fine_scores -= key_bytes;
+  sel.kept_blocks -= key_bytes;
+  sel.keep -= key_bytes;
+  sel.bytes -= key_bytes;
+  const int tile_bytes = kPrefillCandidates * prefill_row_floats(head_dim) * 4;
+  p.partial_offset = align(sel.bytes);
+  p.red_offset = align(p.partial_offset + head_dim * 4);
+  p.q_offset = align(p.red_offset + kPrefillMaxGroups * kPrefillCandidates * 4);
+  p.ring_offset = p.q_offset + kPrefillMaxQueries * prefill_row_floats(head_dim) * 4;
+  sel.keys = p.ring_offset;
+  p.smem = sel;
+  for (int stages = 2; stages >= 1; --stages)
+    if (p.ring_offset + stages * tile_bytes <= limit && key_bytes <= stages * tile_bytes) {
+      p.stages = stages;
+      return p.ring_offset + stages * tile_bytes;
+    }
+  return 0;
+}
+
 template <class Q, int D>
-status launch_prefill_selection(const prefill_params<Q>& p, bool wide, bool tensor_cores, int bytes,
-                                cudaStream_t stream) {
+status launch_prefill_selection(prefill_params<Q>& p, const SparseAttentionConfig& cfg, bool wide,
+                                bool tensor_cores, cudaStream_t stream) {
   auto* kernel = wide ? (tensor_cores ? &prefill_selection_kernel<Q, D, true, true>
                                       : &prefill_selection_kernel<Q, D, true, false>)
                       : (tensor_cores ? &prefill_selection_kernel<Q, D, false, true>
                                       : &prefill_selection_kernel<Q, D, false, false>);
+  // Host queries only (capturable): the device's per-CTA opt-in limit less
+  // the kernel's static shared memory.
+  int device = 0, optin = 0;
+  HISPARSE_CUDA_TRY(cudaGetDevice(&device));
+  HISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  cudaFuncAttributes attr{};
+  HISPARSE_CUDA_TRY(cudaFuncGetAttributes(&attr, kernel));
+  const int bytes = plan_prefill_smem(p, cfg, wide, D, optin - static_cast<int>(attr.sharedSizeBytes));
+  if (bytes == 0)
+    return fail(status::unsupported, "prefill selection: head_dim " + std::to_string(D) +
+                                         " needs more shared memory per CTA than this GPU's " +
+                                         std::to_string(optin) + " bytes");
   HISPARSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   const dim3 grid(static_cast<unsigned>(p.in.kv_heads), static_cast<unsigned>(p.in.num_tiles));
   kernel<<<grid, kSelectThreads, static_cast<std::size_t>(bytes), stream>>>(p);
@@ -450,16 +535,10 @@ template <class Q>
   p.top_k_coarse = cfg.top_k_coarse;
   p.top_k_fine = cfg.top_k_fine;
   p.query_tile = cfg.query_tile;
-  p.smem = detail::plan_selection_smem(cfg, a.max_blocks, wide);
-  const int tile_floats = a.head_dim * detail::kPrefillStride;
-  p.qt_offset = (p.smem.bytes + 15) / 16 * 16;
-  p.ct_offset = p.qt_offset + tile_floats * 4;
-  p.red_offset = p.ct_offset + tile_floats * 4;
-  const int bytes = p.red_offset + 16 * detail::kPrefillCandidates * 4;
   switch (a.head_dim) {
-    case 64: return detail::launch_prefill_selection<Q, 64>(p, wide, a.use_tensor_cores, bytes, stream);
-    case 128: return detail::launch_prefill_selection<Q, 128>(p, wide, a.use_tensor_cores, bytes, stream);
-    default: return detail::launch_prefill_selection<Q, 256>(p, wide, a.use_tensor_cores, bytes, stream);
+    case 64: return detail::launch_prefill_selection<Q, 64>(p, cfg, wide, a.use_tensor_cores, stream);
+    case 128: return detail::launch_prefill_selection<Q, 128>(p, cfg, wide, a.use_tensor_cores, stream);
+    default: return detail::launch_prefill_selection<Q, 256>(p, cfg, wide, a.use_tensor_cores, stream);
   }
 }
 

@@ -70,16 +70,16 @@ __device__ __forceinline__ topk_key warp_min(topk_key x) {
 
 /// Warp-wide top-k of E keys per lane, k <= 32.
 ///
-/// First a threshold filter: the k-th largest of 64 group maxima (each lane's
-/// keys in two halves) is a key at least k keys reach, so the k largest are
-/// all at or above it; the survivors (~2k on random rows) are ranked against
+/// First a threshold filter: the k-th largest score of 64 group maxima (each
+/// lane's keys in two halves) is one at least k keys reach, so the k largest
+/// are all at or above it; the survivors (~2k on random rows) are ranked against
 /// each other, and each key's rank is its output slot. Where more than 64
 /// survive (ties, sorted rows) the radix select below takes over.
 template <int E>
 class warp_topk {
  public:
   struct TempStorage {
-    topk_key keys[64];
+    alignas(16) topk_key keys[64];  ///< the filter first counts 64 score words here, 16 bytes at a time
     topk_key out[32];
   };
 
@@ -96,18 +96,25 @@ class warp_topk {
         if (j < E / 2) m0 = keys[j] > m0 ? keys[j] : m0;
         else m1 = keys[j] > m1 ? keys[j] : m1;
       }
-      storage_.keys[lane] = m0;
-      storage_.keys[32 + lane] = m1;
+      // Counted on the score words alone (32-bit compares, 4 per shared
+      // load): the k-th largest of the 64 maxima's scores still has k keys
+      // at or above it, so every key of the k largest passes.
+      const std::uint32_t h0 = detail::hi_word(m0), h1 = detail::hi_word(m1);
+      auto* words = reinterpret_cast<std::uint32_t*>(storage_.keys);
+      words[lane] = h0;
+      words[32 + lane] = h1;
       __syncwarp();
       int above0 = 0, above1 = 0;
-      for (int u = 0; u < 64; ++u) {
-        const topk_key x = storage_.keys[u];
-        above0 += x > m0 ? 1 : 0;
-        above1 += x > m1 ? 1 : 0;
+#pragma unroll
+      for (int u = 0; u < 64; u += 4) {
+        const uint4 x = *reinterpret_cast<const uint4*>(words + u);
+        above0 += (x.x > h0) + (x.y > h0) + (x.z > h0) + (x.w > h0);
+        above1 += (x.x > h1) + (x.y > h1) + (x.z > h1) + (x.w > h1);
       }
-      // The smallest of the k largest maxima (equal maxima are only padding).
-      const topk_key mine = min(above0 < k ? m0 : ~topk_key{0}, above1 < k ? m1 : ~topk_key{0});
-      const topk_key threshold = detail::warp_min(mine);
+      // The k-th largest score word (with multiplicity): the smallest of
+      // those with fewer than k strictly above.
+      const std::uint32_t mine = min(above0 < k ? h0 : 0xFFFFFFFFu, above1 < k ? h1 : 0xFFFFFFFFu);
+      const topk_key threshold = static_cast<topk_key>(__reduce_min_sync(kFullMask, mine)) << 32;
       __syncwarp();
       unsigned survivors = 0;
 #pragma unroll
@@ -182,9 +189,9 @@ class warp_topk {
 /// candidates).
 ///
 /// For k <= Threads / 4, first a threshold filter: each warp takes the c-th
-/// largest of its lanes' maxima (c = ceil(k / warps)), and the smallest of
-/// those is a key at least k keys reach (c per warp), so the k largest are
-/// all at or above it; the survivors (~110 for k = 64 of 4096 random keys)
+/// largest score of its lanes' maxima (c = ceil(k / warps)), and the
+/// smallest of those is a score at least k keys reach (c per warp), so the k
+/// largest are all at or above it; the survivors (~110 for k = 64 of 4096 random keys)
 /// are ranked against each other in shared memory and written to their
 /// slots: three barriers, where the radix select below spends one per bit.
 /// More than kSurvivors survivors (ties, sorted or short rows) take the radix
@@ -206,7 +213,7 @@ class block_topk {
   struct TempStorage {
     unsigned counts[2][kWarps];
     unsigned fill;
-    topk_key warp_min[kWarps];
+    std::uint32_t warp_min[kWarps];  ///< each warp's threshold score word
   };
 
   /// Keys of shared memory `sorted` needs for k: the next power of two (the
@@ -281,25 +288,36 @@ class block_topk {
 #pragma unroll
     for (int j = 0; j < E; ++j) m = keys[j] > m ? keys[j] : m;
     if (t == 0) storage_.fill = 0;
-    // This warp's c-th largest lane maximum (the smallest of its c largest;
-    // equal maxima are only padding).
+    // This warp's c-th largest lane-maximum score (with multiplicity: the
+    // smallest of those with fewer than c strictly above), on the 32-bit
+    // score words: c keys of the warp reach it.
     const int c = (k + kWarps - 1) / kWarps;
+    const std::uint32_t mh = detail::hi_word(m);
     int above = 0;
 #pragma unroll 8
-    for (int u = 0; u < 32; ++u) above += __shfl_sync(kFullMask, m, u) > m ? 1 : 0;
-    const topk_key w = detail::warp_min(above < c ? m : ~topk_key{0});
+    for (int u = 0; u < 32; ++u) above += __shfl_sync(kFullMask, mh, u) > mh ? 1 : 0;
+    const std::uint32_t w = __reduce_min_sync(kFullMask, above < c ? mh : 0xFFFFFFFFu);
     if ((t & 31) == 0) storage_.warp_min[t / 32] = w;
     __syncthreads();
-    topk_key threshold = ~topk_key{0};
+    std::uint32_t floor_hi = 0xFFFFFFFFu;
 #pragma unroll
-    for (int i = 0; i < kWarps; ++i) threshold = min(threshold, storage_.warp_min[i]);
+    for (int i = 0; i < kWarps; ++i) floor_hi = min(floor_hi, storage_.warp_min[i]);
+    const topk_key threshold = static_cast<topk_key>(floor_hi) << 32;
     topk_key* survivors = sorted + pow2(k);
+    const int lane = t & 31;
 #pragma unroll
-    for (int j = 0; j < E; ++j)
-      if (keys[j] >= threshold && keys[j] != kNoCandidate) {
-        const unsigned pos = atomicAdd(&storage_.fill, 1u);
-        if (pos < kSurvivors) survivors[pos] = keys[j];
+    for (int j = 0; j < E; ++j) {  // one shared atomic per warp and key slot that has survivors
+      const bool take = keys[j] >= threshold && keys[j] != kNoCandidate;
+      const unsigned ballot = __ballot_sync(kFullMask, take);
+      if (ballot != 0) {
+        const int leader = __ffs(ballot) - 1;
+        unsigned base = 0;
+        if (lane == leader) base = atomicAdd(&storage_.fill, static_cast<unsigned>(__popc(ballot)));
+        base = __shfl_sync(kFullMask, base, leader);
+        const unsigned pos = base + __popc(ballot & ((1u << lane) - 1u));
+        if (take && pos < kSurvivors) survivors[pos] = keys[j];
       }
+    }
     __syncthreads();
     const int n = static_cast<int>(storage_.fill);
     if (n > kSurvivors) {
