@@ -140,10 +140,12 @@ void BM_decode_selection(benchmark::State& state) {
 }
 
 /// Prefill selection of a whole prompt of T tokens (every position a query,
-/// tiles of 64): one launch, CUDA events.
+/// tiles of 64): one launch, CUDA events. `stages`: the candidate ring's
+/// depth (1 leaves shared memory for a third CTA per SM on an H200).
 void BM_prefill_selection(benchmark::State& state) {
   const auto context = static_cast<std::int32_t>(state.range(0));
   const bool tensor_cores = state.range(1) != 0;
+  const auto stages = static_cast<int>(state.range(2));
   const SparseAttentionConfig cfg;
   mr::device_pool_resource device;
   cache_type cache(device, cache_options(1, context));
@@ -167,6 +169,7 @@ void BM_prefill_selection(benchmark::State& state) {
   a.num_q_heads = kQHeads;
   a.set_cache(cache.ref());
   a.use_tensor_cores = tensor_cores;
+  a.max_ring_stages = stages;
   const select::prefill_selection_output out{kept, num, window};
   cudaEvent_t start, stop;
   HISPARSE_CUDA_CHECK(cudaEventCreate(&start));
@@ -208,7 +211,8 @@ void BM_prefill_selection(benchmark::State& state) {
 
 }  // namespace
 
-BENCHMARK(BM_prefill_selection)->ArgNames({"T", "tensor_cores"})->ArgsProduct({{32768, 262144}, {1, 0}})
+BENCHMARK(BM_prefill_selection)->ArgNames({"T", "tensor_cores", "stages"})
+    ->ArgsProduct({{32768, 262144}, {1, 0}, {2, 1}})
     ->UseManualTime()->Iterations(5)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_decode_selection)->ArgNames({"B", "T"})

@@ -27,7 +27,7 @@ using bf16 = __nv_bfloat16;
 /// Runs the prefill selection for the last `n[b]` positions of every
 /// sequence of `p` and checks each tile against the reference.
 void check_prefill(const test::problem<bf16>& p, const std::vector<std::int32_t>& n, std::uint64_t seed,
-                   bool tensor_cores = true) {
+                   bool tensor_cores = true, int ring_stages = 2) {
   mr::device_pool_resource device;
   std::int64_t longest = 1;
   for (const auto len : p.lengths) longest = std::max(longest, len);
@@ -69,6 +69,7 @@ void check_prefill(const test::problem<bf16>& p, const std::vector<std::int32_t>
   a.num_q_heads = Hq;
   a.set_cache(cache.ref());
   a.use_tensor_cores = tensor_cores;
+  a.max_ring_stages = ring_stages;
   REQUIRE(select::select_prefill_async(p.cfg, a, select::prefill_selection_output{kept.ptr, num.ptr, window.ptr}) ==
           status::success);
   HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
@@ -119,6 +120,10 @@ TEST_CASE("prefill selection matches the reference tile by tile", "[gpu][select]
   {
     INFO("fp32 CUDA cores");
     check_prefill(p, {300, 200, 130}, seed + 1, false);
+  }
+  {
+    INFO("3xTF32 tensor cores, a 1-deep candidate ring");
+    check_prefill(p, {300, 200, 130}, seed + 1, true, 1);
   }
 }
 

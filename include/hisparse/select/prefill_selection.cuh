@@ -99,6 +99,9 @@ struct prefill_selection_arguments {
   /// Scores by 3xTF32 tensor-core products (~fp32 accuracy); false: fp32
   /// FMA on the CUDA cores (tests compare the two).
   bool use_tensor_cores = true;
+  /// Deepest candidate ring to use (1 or 2; the plan takes less where shared
+  /// memory is short). 1 frees shared memory for more resident CTAs.
+  int max_ring_stages = 2;
 
   template <class T>
   void set_cache(const kv::paged_kv_ref<T>& r) {
@@ -134,9 +137,9 @@ inline constexpr int kPrefillCandidates = 64;
 /// quarter-warp) then hit 32 different banks, and rows stay 16-byte aligned
 /// for cp.async.
 HISPARSE_HOST_DEVICE constexpr int prefill_row_floats(int head_dim) { return head_dim + 4; }
-/// Rows of partial maxima per candidate the reduction keeps (the CUDA-core
-/// path's 16 query groups; the tensor cores use 4).
-inline constexpr int kPrefillMaxGroups = 16;
+/// Rows of partial maxima per candidate the reduction keeps: one per query
+/// group of the GEMM's warps (4 of 16 queries) or threads (16 of 4).
+HISPARSE_HOST_DEVICE constexpr int prefill_groups(bool tensor_cores) { return tensor_cores ? 4 : 16; }
 /// Queries per tile the kernel holds: the GEMM tile's M (query_tile <= 64).
 inline constexpr int kPrefillMaxQueries = 64;
 
@@ -147,7 +150,7 @@ struct prefill_params {
   int window, top_k_coarse, top_k_fine, query_tile;
   selection_smem smem;  ///< ranking storage (decode's layout; its keys lie on the ring)
   int partial_offset;   ///< float[D]: the partial coarse block's summed far slices
-  int red_offset;       ///< float[16][64]: partial maxima per candidate
+  int red_offset;       ///< float[prefill_groups][64]: partial maxima per candidate
   int q_offset;         ///< float[64][D + 4]: the tile's group-summed queries
   int ring_offset;      ///< stages x float[64][D + 4]: candidate rows of a round
   int stages;           ///< 1 or 2
@@ -160,6 +163,13 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], 
       "{%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/// max(a, b), NaN if either is NaN (fmaxf would drop it).
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(r) : "f"(a), "f"(b));
+  return r;
 }
 
 /// The fp32 bits of x cut to tf32 (the low 13 mantissa bits cleared): x -
@@ -184,7 +194,7 @@ __device__ void score_candidates(int count, int valid, int stages, const float* 
                                  ScaleOf scale_of) {
   constexpr int kN = kPrefillCandidates, kR = prefill_row_floats(D), kChunks = D / 4;
   constexpr int kTileFloats = kN * kR;
-  constexpr int kGroups = TensorCores ? 4 : kPrefillMaxGroups;
+  constexpr int kGroups = prefill_groups(TensorCores);
   const int t = static_cast<int>(threadIdx.x);
   const int rounds = (count + kN - 1) / kN;
   auto issue = [&](int round) {
@@ -216,7 +226,9 @@ __device__ void score_candidates(int count, int valid, int stages, const float* 
       const int qb = warp % 4, ch = warp / 4;  // queries 16qb.., candidates 32ch..
       const float* qa = qs + (16 * qb + g) * kR + q4;
       const float* cb = cs + (32 * ch + g) * kR + q4;
-      float acc[4][4] = {};
+      // The a_hi b_hi products and the two small ones in separate
+      // accumulators: two independent mma chains per n-tile, not one of 3.
+      float acc[4][4] = {}, small[4][4] = {};
 #pragma unroll 4
       for (int k0 = 0; k0 < D; k0 += 8) {
         const float av[4] = {qa[k0], qa[8 * kR + k0], qa[k0 + 4], qa[8 * kR + k0 + 4]};
@@ -231,32 +243,27 @@ __device__ void score_candidates(int count, int valid, int stages, const float* 
           const float b0 = cb[nt * 8 * kR + k0], b1 = cb[nt * 8 * kR + k0 + 4];
           const unsigned bhi0 = tf32_cut(b0), bhi1 = tf32_cut(b1);
           const unsigned blo0 = tf32_cut(b0 - __uint_as_float(bhi0)), blo1 = tf32_cut(b1 - __uint_as_float(bhi1));
-          mma_tf32(acc[nt], alo, bhi0, bhi1);  // the small terms first
-          mma_tf32(acc[nt], ahi, blo0, blo1);
+          mma_tf32(small[nt], alo, bhi0, bhi1);
+          mma_tf32(small[nt], ahi, blo0, blo1);
           mma_tf32(acc[nt], ahi, bhi0, bhi1);
         }
       }
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][e] += small[nt][e];
       // acc[nt]: queries 16qb + g (0, 1) and + 8 (2, 3), candidates 32ch + 8nt + 2q4 (+1).
+      const bool row0 = 16 * qb + g < valid, row1 = 16 * qb + g + 8 < valid;
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float best = -__int_as_float(0x7f800000);
-          int nan = 0;
-          if (16 * qb + g < valid) {
-            nan |= isnan(acc[nt][e]) ? 1 : 0;
-            best = fmaxf(best, acc[nt][e]);
-          }
-          if (16 * qb + g + 8 < valid) {
-            nan |= isnan(acc[nt][2 + e]) ? 1 : 0;
-            best = fmaxf(best, acc[nt][2 + e]);
-          }
+          if (row0) best = max_nan(best, acc[nt][e]);
+          if (row1) best = max_nan(best, acc[nt][2 + e]);
 #pragma unroll
-          for (int off = 4; off < 32; off <<= 1) {
-            best = fmaxf(best, __shfl_xor_sync(0xFFFFFFFFu, best, off));
-            nan |= __shfl_xor_sync(0xFFFFFFFFu, nan, off);
-          }
-          if (g == 0) red[qb * kN + 32 * ch + 8 * nt + 2 * q4 + e] = nan ? __int_as_float(0x7fffffff) : best;
+          for (int off = 4; off < 32; off <<= 1) best = max_nan(best, __shfl_xor_sync(0xFFFFFFFFu, best, off));
+          if (g == 0) red[qb * kN + 32 * ch + 8 * nt + 2 * q4 + e] = best;
         }
     } else {
       const int tq = t / 16, tc = t % 16;
@@ -283,26 +290,18 @@ __device__ void score_candidates(int count, int valid, int stages, const float* 
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         float best = -__int_as_float(0x7f800000);
-        bool nan = false;
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-          if (tq + 16 * i < valid) {
-            nan |= isnan(acc[i][j]);
-            best = fmaxf(best, acc[i][j]);
-          }
-        red[tq * kN + tc + 16 * j] = nan ? __int_as_float(0x7fffffff) : best;
+          if (tq + 16 * i < valid) best = max_nan(best, acc[i][j]);
+        red[tq * kN + tc + 16 * j] = best;
       }
     }
     __syncthreads();  // red is complete; this round's buffer is free for round r + stages
     if (t < kN && r * kN + t < count) {
       float best = -__int_as_float(0x7f800000);
-      bool nan = false;
-      for (int g = 0; g < kGroups; ++g) {
-        const float v = red[g * kN + t];
-        nan |= isnan(v);
-        best = fmaxf(best, v);
-      }
-      scores[r * kN + t] = nan ? __int_as_float(0x7fffffff) : best * scale_of(r * kN + t);
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) best = max_nan(best, red[g * kN + t]);
+      scores[r * kN + t] = best * scale_of(r * kN + t);  // NaN stays NaN
     }
   }
   __syncthreads();
@@ -443,7 +442,8 @@ __global__ void __launch_bounds__(kSelectThreads) prefill_selection_kernel(const
 /// `limit` bytes allow, else 1. Returns the bytes, or 0 where not even one
 /// stage fits.
 template <class Q>
-int plan_prefill_smem(prefill_params<Q>& p, const SparseAttentionConfig& cfg, bool wide, int head_dim, int limit) {
+int plan_prefill_smem(prefill_params<Q>& p, const SparseAttentionConfig& cfg, bool wide, bool tensor_cores,
+                      int head_dim, int limit, int max_stages) {
   auto align = [](int x) { return (x + 15) / 16 * 16; };
   selection_smem sel = plan_selection_smem(cfg, p.in.max_blocks, wide);
   const int key_bytes = sel.coarse_scores;  // [keys | the rest]: the keys first
@@ -455,11 +455,11 @@ int plan_prefill_smem(prefill_params<Q>& p, const SparseAttentionConfig& cfg, bo
   const int tile_bytes = kPrefillCandidates * prefill_row_floats(head_dim) * 4;
   p.partial_offset = align(sel.bytes);
   p.red_offset = align(p.partial_offset + head_dim * 4);
-  p.q_offset = align(p.red_offset + kPrefillMaxGroups * kPrefillCandidates * 4);
+  p.q_offset = align(p.red_offset + prefill_groups(tensor_cores) * kPrefillCandidates * 4);
   p.ring_offset = p.q_offset + kPrefillMaxQueries * prefill_row_floats(head_dim) * 4;
   sel.keys = p.ring_offset;
   p.smem = sel;
-  for (int stages = 2; stages >= 1; --stages)
+  for (int stages = std::clamp(max_stages, 1, 2); stages >= 1; --stages)
     if (p.ring_offset + stages * tile_bytes <= limit && key_bytes <= stages * tile_bytes) {
       p.stages = stages;
       return p.ring_offset + stages * tile_bytes;
@@ -481,7 +481,9 @@ status launch_prefill_selection(prefill_params<Q>& p, const SparseAttentionConfi
   HISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   cudaFuncAttributes attr{};
   HISPARSE_CUDA_TRY(cudaFuncGetAttributes(&attr, kernel));
-  const int bytes = plan_prefill_smem(p, cfg, wide, D, optin - static_cast<int>(attr.sharedSizeBytes));
+  const int bytes =
+      plan_prefill_smem(p, cfg, wide, tensor_cores, D, optin - static_cast<int>(attr.sharedSizeBytes),
+                        p.in.max_ring_stages);
   if (bytes == 0)
     return fail(status::unsupported, "prefill selection: head_dim " + std::to_string(D) +
                                          " needs more shared memory per CTA than this GPU's " +
