@@ -9,17 +9,22 @@
 // tensor cores in split tf32 (3xTF32, ~fp32 accuracy: the contract's scores
 // are fp32-grade); `use_tensor_cores = false` runs fp32 FMA on the CUDA cores
 // (4 x 4 outputs per thread). Queries and candidates sit row by row in shared
-// memory (D + 4 floats a row); the candidates of the next round stream in by
-// cp.async while this round's are scored (a 2-deep ring where shared memory
-// allows, else 1).
+// memory (D + 4 floats a row) and candidate rows arrive by cp.async, a warp
+// per 512-byte row; with `max_ring_stages = 2` the next round streams in
+// while this one is scored, but on an H200 the default single buffer wins
+// (it leaves room for a third CTA per SM).
 // Ranking and compaction are the decode selection's (mark_top_k,
 // compact_marked): ties to the lower index, kept slices ascending, padded
 // with -1.
 //
-// Work: at T = 256K and M = 64, about 330 GFLOP for 8 KV heads (the fine
-// stage's 64 queries x 512 candidates x 128 dims per tile dominates): ~5 ms
-// at the CUDA cores' fp32 peak; 3xTF32 triples the tensor-core work, ~2-3 ms
-// at mma.sync rates.
+// Work and floors, T = 256K, M = 64, 8 KV heads, head_dim 128: 32768
+// (tile, KV head) CTAs; 163 G multiply-adds (the fine stage's 64 queries x
+// 512 slices dominates), so 489 G tf32 ones in 3xTF32: 2.0 ms at the H200's
+// full dense tf32 rate (495 TFLOPS, which mma.sync does not reach); the
+// candidate rows come from L2, 10.5 GB. Measured 7.9 ms (PERF_NOTES: issue bound, about
+// 0.5 instructions per cycle per scheduler). The 2 ms target needs fewer
+// tensor products: an approximate bf16 pass with a proven error bound, and
+// 3xTF32 only for the candidates the bound cannot settle.
 
 #include <algorithm>
 #include <cstdint>
@@ -100,8 +105,12 @@ struct prefill_selection_arguments {
   /// FMA on the CUDA cores (tests compare the two).
   bool use_tensor_cores = true;
   /// Deepest candidate ring to use (1 or 2; the plan takes less where shared
-  /// memory is short). 1 frees shared memory for more resident CTAs.
-  int max_ring_stages = 2;
+  /// memory is short). 1, the default, leaves room for 3 CTAs per H200 SM
+  /// at head_dim 128 (2 with a 2-deep ring), and 3 resident CTAs hide the
+  /// loads better than the ring does: 7.88 against 8.90 ms at T = 256K
+  /// (bench/results/2026-11-30-h200-topk-prefill). An RTX 4090 fits one
+  /// stage only.
+  int max_ring_stages = 1;
 
   template <class T>
   void set_cache(const kv::paged_kv_ref<T>& r) {
