@@ -21,6 +21,7 @@
 #include "hisparse/kv/paged_kv_cache.cuh"
 #include "hisparse/kv/paged_kv_ref.hpp"
 #include "hisparse/select/decode_selection.cuh"
+#include "hisparse/select/prefill_selection.cuh"
 #include "hisparse/select/topk.cuh"
 #include "hisparse/select/topk_keys.hpp"
 #include "hisparse/attention/decode.cuh"
