@@ -23,8 +23,8 @@
 // full dense tf32 rate (495 TFLOPS, which mma.sync does not reach); the
 // candidate rows come from L2, 10.5 GB. Measured 7.9 ms (PERF_NOTES: issue bound, about
 // 0.5 instructions per cycle per scheduler). The 2 ms target needs fewer
-// tensor products: an approximate bf16 pass with a proven error bound, and
-// 3xTF32 only for the candidates the bound cannot settle.
+// tensor products (a plain-tf32 pass with a proven error bound, 3xTF32 only
+// for the candidates it cannot settle) and several tiles per CTA.
 
 #include <algorithm>
 #include <cstdint>
