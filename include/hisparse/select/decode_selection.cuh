@@ -46,27 +46,15 @@ struct decode_selection_output {
   float* slice_scores = nullptr;          ///< optional [batch][kv_heads][top_k_fine]
 };
 
-/// Everything a decode selection reads: the queries [batch][q_heads][head_dim],
-/// the cache's summaries and lengths for `layer`, and which cache slot each
-/// batch row is. `slots` lives on the device so a captured graph can be
-/// replayed for another batch.
-template <class Q>
-struct decode_selection_arguments {
-  const Q* queries = nullptr;
-  const std::int32_t* slots = nullptr;  ///< [batch], device
-  int batch = 0;
-  int layer = 0;
-  int num_q_heads = 0;
-  // From the paged cache (kv::paged_kv_cache::ref()).
+/// What a selection reads of a paged cache (kv::paged_kv_cache::ref()): the
+/// slice and block key sums, the lengths and the geometry. Decode and prefill
+/// selection arguments extend it.
+struct cache_summaries {
   const float* slice_sums = nullptr;
   const float* block_sums = nullptr;
   const std::int32_t* lengths = nullptr;
   int layers = 0, kv_heads = 0, head_dim = 0, fine_slice = 0, coarse_block = 0;
   std::int32_t max_slices = 0, max_blocks = 0;
-  /// Launch a cluster of CTAs per (sequence, KV head) where the device and
-  /// the binary allow it (sm_90+); false forces the single-CTA kernel that
-  /// sm_80/sm_89 run (tests use it to cover that path on an H200).
-  bool use_clusters = true;
 
   template <class T>
   void set_cache(const kv::paged_kv_ref<T>& r) {
@@ -81,6 +69,23 @@ struct decode_selection_arguments {
     max_slices = r.max_slices;
     max_blocks = r.max_blocks;
   }
+};
+
+/// Everything a decode selection reads: the queries [batch][q_heads][head_dim],
+/// the cache's summaries and lengths for `layer`, and which cache slot each
+/// batch row is. `slots` lives on the device so a captured graph can be
+/// replayed for another batch.
+template <class Q>
+struct decode_selection_arguments : cache_summaries {
+  const Q* queries = nullptr;
+  const std::int32_t* slots = nullptr;  ///< [batch], device
+  int batch = 0;
+  int layer = 0;
+  int num_q_heads = 0;
+  /// Launch a cluster of CTAs per (sequence, KV head) where the device and
+  /// the binary allow it (sm_90+); false forces the single-CTA kernel that
+  /// sm_80/sm_89 run (tests use it to cover that path on an H200).
+  bool use_clusters = true;
 };
 
 namespace detail {

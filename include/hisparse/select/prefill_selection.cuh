@@ -89,18 +89,13 @@ struct prefill_segment {
 /// tile offsets counted by the host with prefill_tiles); `num_tiles` is their
 /// total, the launch's grid.
 template <class Q>
-struct prefill_selection_arguments {
+struct prefill_selection_arguments : cache_summaries {  // (the cache's lengths are not read)
   const Q* queries = nullptr;  ///< [total queries][num_q_heads][head_dim]
   const prefill_segment* segments = nullptr;
   int num_segments = 0;
   int num_tiles = 0;
   int layer = 0;
   int num_q_heads = 0;
-  // From the paged cache (kv::paged_kv_cache::ref()).
-  const float* slice_sums = nullptr;
-  const float* block_sums = nullptr;
-  int layers = 0, kv_heads = 0, head_dim = 0, fine_slice = 0, coarse_block = 0;
-  std::int32_t max_slices = 0, max_blocks = 0;
   /// Scores by 3xTF32 tensor-core products (~fp32 accuracy); false: fp32
   /// FMA on the CUDA cores (tests compare the two).
   bool use_tensor_cores = true;
@@ -111,19 +106,6 @@ struct prefill_selection_arguments {
   /// (bench/results/2026-11-30-h200-topk-prefill). An RTX 4090 fits one
   /// stage only.
   int max_ring_stages = 1;
-
-  template <class T>
-  void set_cache(const kv::paged_kv_ref<T>& r) {
-    slice_sums = r.slice_sums;
-    block_sums = r.block_sums;
-    layers = r.layers;
-    kv_heads = r.kv_heads;
-    head_dim = r.head_dim;
-    fine_slice = r.fine_slice;
-    coarse_block = r.coarse_block;
-    max_slices = r.max_slices;
-    max_blocks = r.max_blocks;
-  }
 };
 
 /// Per tile and KV head: the kept slices (ascending, -1 padded) and their
