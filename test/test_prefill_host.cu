@@ -101,7 +101,9 @@ TEST_CASE("select_prefill_async rejects bad input before touching the device", "
   rejects([](args& b, SparseAttentionConfig&, outs&) { b.fine_slice = 32; }, status::invalid_argument,
           "slice/block sizes");
   rejects([](args& b, SparseAttentionConfig&, outs&) { b.max_blocks = 8192; }, status::unsupported,
-          "4096 candidates");
+          "4096 blocks");
+  rejects([](args&, SparseAttentionConfig& c, outs&) { c.top_k_coarse = 512; }, status::unsupported,
+          "4096 fine candidates");
   rejects([](args& b, SparseAttentionConfig&, outs&) { b.num_q_heads = 12; }, status::invalid_argument,
           "num_q_heads");
 }

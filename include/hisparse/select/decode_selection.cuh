@@ -599,6 +599,26 @@ status launch_selection(const decode_params<Q>& p, bool wide, int kv_heads, int 
                   : launch_selection<Q, D, 1>(p, wide, kv_heads, batch, stream);
 }
 
+/// The checks decode and prefill selection share: the layer, and that the
+/// cache was built with the config's slice and block sizes and within what
+/// the ranking covers. `stage` names the caller in the message.
+inline status check_summaries(const SparseAttentionConfig& cfg, const cache_summaries& a, int layer,
+                              const char* stage) {
+  const std::string who = std::string(stage) + " selection: ";
+  if (layer < 0 || layer >= a.layers) return fail(status::invalid_argument, who + "layer out of range");
+  if (a.fine_slice != cfg.fine_slice || a.coarse_block != cfg.coarse_block)
+    return fail(status::invalid_argument,
+                who + "the cache's slice/block sizes (" + std::to_string(a.fine_slice) + "/" +
+                    std::to_string(a.coarse_block) + ") differ from the config's (" + std::to_string(cfg.fine_slice) +
+                    "/" + std::to_string(cfg.coarse_block) + ")");
+  if (a.max_blocks > kMaxSelectCandidates)
+    return fail(status::unsupported, who + "ranks at most 4096 blocks per sequence (the cache allows " +
+                                         std::to_string(a.max_blocks) + ")");
+  if (std::int64_t{cfg.top_k_coarse} * cfg.slices_per_block() > kMaxSelectCandidates)
+    return fail(status::unsupported, who + "ranks at most 4096 fine candidates (top_k_coarse * C / F)");
+  return status::success;
+}
+
 }  // namespace detail
 
 /// Checks a decode selection before any work: the config, the problem, and
@@ -613,17 +633,7 @@ template <class Q>
   if (a.queries == nullptr || a.slots == nullptr || a.slice_sums == nullptr || a.block_sums == nullptr ||
       a.lengths == nullptr)
     return bad("queries, slots and the cache's summaries must not be null");
-  if (a.layer < 0 || a.layer >= a.layers) return bad("layer out of range");
-  if (a.fine_slice != cfg.fine_slice || a.coarse_block != cfg.coarse_block)
-    return bad("the cache's slice/block sizes (" + std::to_string(a.fine_slice) + "/" +
-               std::to_string(a.coarse_block) + ") differ from the config's (" + std::to_string(cfg.fine_slice) +
-               "/" + std::to_string(cfg.coarse_block) + ")");
-  if (a.max_blocks > detail::kMaxSelectCandidates)
-    return fail(status::unsupported, "decode selection ranks at most 4096 blocks per sequence (the cache allows " +
-                                         std::to_string(a.max_blocks) + ")");
-  if (std::int64_t{cfg.top_k_coarse} * cfg.slices_per_block() > detail::kMaxSelectCandidates)
-    return fail(status::unsupported, "decode selection ranks at most 4096 fine candidates (top_k_coarse * C / F)");
-  return status::success;
+  return detail::check_summaries(cfg, a, a.layer, "decode");
 }
 
 /// The same, and that the outputs the kernel always writes are set.

@@ -505,13 +505,7 @@ template <class Q>
     return bad("queries, segments and the cache's summaries must not be null");
   if (out.kept_slices == nullptr || out.num_slices == nullptr || out.window_begin == nullptr)
     return bad("kept_slices, num_slices and window_begin outputs must not be null");
-  if (a.layer < 0 || a.layer >= a.layers) return bad("layer out of range");
-  if (a.fine_slice != cfg.fine_slice || a.coarse_block != cfg.coarse_block)
-    return bad("the cache's slice/block sizes differ from the config's");
-  if (a.max_blocks > detail::kMaxSelectCandidates ||
-      std::int64_t{cfg.top_k_coarse} * cfg.slices_per_block() > detail::kMaxSelectCandidates)
-    return fail(status::unsupported, "prefill selection ranks at most 4096 candidates per stage");
-  return status::success;
+  return detail::check_summaries(cfg, a, a.layer, "prefill");
 }
 
 /// The selection of every query tile of a prefill batch: one launch, no
