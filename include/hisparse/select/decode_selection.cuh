@@ -535,19 +535,28 @@ inline bool wide_selection(const SparseAttentionConfig& cfg, std::int32_t max_bl
          !fits_filter(std::int64_t{cfg.top_k_coarse} * cfg.slices_per_block(), cfg.top_k_fine);
 }
 
-/// Dynamic shared memory of the (wide or narrow) kernel for this config and
-/// cache.
-inline selection_smem plan_selection_smem(const SparseAttentionConfig& cfg, std::int32_t max_blocks, bool wide) {
-  auto align = [](int x, int a) { return (x + a - 1) / a * a; };
-  const int fine = cfg.top_k_coarse * cfg.slices_per_block();
+/// Bytes of the ranking's key scratch (filter survivors, or the wide
+/// kernel's block_topk sort).
+inline int selection_key_bytes(const SparseAttentionConfig& cfg, bool wide) {
   const int key_capacity =
       wide ? std::max(kFilterMaxCandidates,
                       select_block_topk::sort_capacity(std::max(cfg.top_k_coarse, cfg.top_k_fine)))
            : kFilterMaxCandidates;
+  return key_capacity * static_cast<int>(sizeof(topk_key));
+}
+
+/// Dynamic shared memory of the (wide or narrow) kernel for this config and
+/// cache. own_keys = false leaves the key scratch out (keys = -1): a caller
+/// with shared memory idle while it ranks places the selection_key_bytes
+/// there itself.
+inline selection_smem plan_selection_smem(const SparseAttentionConfig& cfg, std::int32_t max_blocks, bool wide,
+                                          bool own_keys = true) {
+  auto align = [](int x, int a) { return (x + a - 1) / a * a; };
+  const int fine = cfg.top_k_coarse * cfg.slices_per_block();
   selection_smem s;
   int at = 0;
-  s.keys = at;
-  at += key_capacity * static_cast<int>(sizeof(topk_key));
+  s.keys = own_keys ? at : -1;
+  if (own_keys) at += selection_key_bytes(cfg, wide);
   s.coarse_scores = at;
   at = align(at + max_blocks * 4, 16);
   s.fine_scores = at;

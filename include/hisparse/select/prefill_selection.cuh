@@ -436,13 +436,8 @@ template <class Q>
 int plan_prefill_smem(prefill_params<Q>& p, const SparseAttentionConfig& cfg, bool wide, bool tensor_cores,
                       int head_dim, int limit, int max_stages) {
   auto align = [](int x) { return (x + 15) / 16 * 16; };
-  selection_smem sel = plan_selection_smem(cfg, p.in.max_blocks, wide);
-  const int key_bytes = sel.coarse_scores;  // [keys | the rest]: the keys first
-  sel.coarse_scores -= key_bytes;
-  sel.fine_scores -= key_bytes;
-  sel.kept_blocks -= key_bytes;
-  sel.keep -= key_bytes;
-  sel.bytes -= key_bytes;
+  selection_smem sel = plan_selection_smem(cfg, p.in.max_blocks, wide, /*own_keys=*/false);
+  const int key_bytes = selection_key_bytes(cfg, wide);
   const int tile_bytes = kPrefillCandidates * prefill_row_floats(head_dim) * 4;
   p.partial_offset = align(sel.bytes);
   p.red_offset = align(p.partial_offset + head_dim * 4);

@@ -57,17 +57,6 @@ __device__ __forceinline__ topk_key warp_sort_descending(topk_key key) {
 }
 }  // namespace detail
 
-namespace detail {
-__device__ __forceinline__ topk_key warp_min(topk_key x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const topk_key o = __shfl_xor_sync(kFullMask, x, off);
-    x = o < x ? o : x;
-  }
-  return x;
-}
-}  // namespace detail
-
 /// Warp-wide top-k of E keys per lane, k <= 32.
 ///
 /// First a threshold filter: the k-th largest score of 64 group maxima (each
