@@ -37,6 +37,7 @@
 
 #include "hisparse/config.hpp"
 #include "hisparse/core/async_copy.cuh"
+#include "hisparse/core/gpu_limits.hpp"
 #include "hisparse/core/dtype.hpp"
 #include "hisparse/core/kernel_build.hpp"
 #include "hisparse/core/status.hpp"
@@ -86,14 +87,8 @@ struct decode_attention_arguments {
   return cfg.top_k_fine + (cfg.window + cfg.fine_slice - 1 + cfg.fine_slice - 1) / cfg.fine_slice;
 }
 
-/// What a plan needs to know of the GPU. The defaults are an sm_90 part
-/// (H100/H200: 228 KB of shared memory per SM, 227 KB per CTA); an RTX 4090
-/// (sm_89) has 100 KB and 99 KB. `current_gpu_limits` reads the real ones.
-struct gpu_limits {
-  int sms = 0;
-  int smem_per_sm = 228 * 1024;
-  int smem_per_block = 227 * 1024;
-};
+using hisparse::gpu_limits;  // core/gpu_limits.hpp
+using hisparse::current_gpu_limits;
 
 /// Launch shape and workspace of a decode attention; `plan_decode_attention`
 /// fills it on the host without touching the device's queues.
@@ -759,16 +754,6 @@ template <class T, tile_policy Tile = kDecodeTile>
     case 128: return detail::launch_decode_attention<T, 128, Tile>(p, plan.smem_bytes, overlap_previous, stream);
     default: return detail::launch_decode_attention<T, 256, Tile>(p, plan.smem_bytes, overlap_previous, stream);
   }
-}
-
-/// The current device's multiprocessors and shared memory (for plans).
-[[nodiscard]] inline status current_gpu_limits(gpu_limits& gpu) {
-  int device = 0;
-  HISPARSE_CUDA_TRY(cudaGetDevice(&device));
-  HISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&gpu.sms, cudaDevAttrMultiProcessorCount, device));
-  HISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&gpu.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
-  HISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&gpu.smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  return status::success;
 }
 
 }  // namespace hisparse::attention

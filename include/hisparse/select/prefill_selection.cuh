@@ -36,6 +36,7 @@
 #include "hisparse/core/dtype.hpp"
 #include "hisparse/core/status.hpp"
 #include "hisparse/core/async_copy.cuh"
+#include "hisparse/core/gpu_limits.hpp"
 #include "hisparse/select/decode_selection.cuh"
 
 namespace hisparse::select {
@@ -462,18 +463,17 @@ status launch_prefill_selection(prefill_params<Q>& p, const SparseAttentionConfi
                                       : &prefill_selection_kernel<Q, D, false, false>);
   // Host queries only (capturable): the device's per-CTA opt-in limit less
   // the kernel's static shared memory.
-  int device = 0, optin = 0;
-  HISPARSE_CUDA_TRY(cudaGetDevice(&device));
-  HISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  gpu_limits gpu;
+  HISPARSE_TRY(current_gpu_limits(gpu));
   cudaFuncAttributes attr{};
   HISPARSE_CUDA_TRY(cudaFuncGetAttributes(&attr, kernel));
   const int bytes =
-      plan_prefill_smem(p, cfg, wide, tensor_cores, D, optin - static_cast<int>(attr.sharedSizeBytes),
+      plan_prefill_smem(p, cfg, wide, tensor_cores, D, gpu.smem_per_block - static_cast<int>(attr.sharedSizeBytes),
                         p.in.max_ring_stages);
   if (bytes == 0)
     return fail(status::unsupported, "prefill selection: head_dim " + std::to_string(D) +
                                          " needs more shared memory per CTA than this GPU's " +
-                                         std::to_string(optin) + " bytes");
+                                         std::to_string(gpu.smem_per_block) + " bytes");
   HISPARSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   const dim3 grid(static_cast<unsigned>(p.in.kv_heads), static_cast<unsigned>(p.in.num_tiles));
   kernel<<<grid, kSelectThreads, static_cast<std::size_t>(bytes), stream>>>(p);
