@@ -55,6 +55,21 @@ __device__ __forceinline__ topk_key warp_sort_descending(topk_key key) {
   }
   return key;
 }
+
+/// Warp-aggregated append: every lane of the warp calls it; the lanes with
+/// `take` get consecutive slots from `*fill` (a shared counter), in lane
+/// order, for one atomic per warp. Returns this lane's slot (meaningless
+/// where !take).
+__device__ __forceinline__ unsigned warp_append(bool take, unsigned* fill) {
+  const unsigned ballot = __ballot_sync(kFullMask, take);
+  if (ballot == 0) return 0;
+  const int lane = threadIdx.x & 31;
+  const int leader = __ffs(ballot) - 1;
+  unsigned base = 0;
+  if (lane == leader) base = atomicAdd(fill, static_cast<unsigned>(__popc(ballot)));
+  base = __shfl_sync(kFullMask, base, leader);
+  return base + __popc(ballot & ((1u << lane) - 1u));
+}
 }  // namespace detail
 
 /// Warp-wide top-k of E keys per lane, k <= 32.
@@ -293,19 +308,11 @@ class block_topk {
     for (int i = 0; i < kWarps; ++i) floor_hi = min(floor_hi, storage_.warp_min[i]);
     const topk_key threshold = static_cast<topk_key>(floor_hi) << 32;
     topk_key* survivors = sorted + pow2(k);
-    const int lane = t & 31;
 #pragma unroll
     for (int j = 0; j < E; ++j) {  // one shared atomic per warp and key slot that has survivors
       const bool take = keys[j] >= threshold && keys[j] != kNoCandidate;
-      const unsigned ballot = __ballot_sync(kFullMask, take);
-      if (ballot != 0) {
-        const int leader = __ffs(ballot) - 1;
-        unsigned base = 0;
-        if (lane == leader) base = atomicAdd(&storage_.fill, static_cast<unsigned>(__popc(ballot)));
-        base = __shfl_sync(kFullMask, base, leader);
-        const unsigned pos = base + __popc(ballot & ((1u << lane) - 1u));
-        if (take && pos < kSurvivors) survivors[pos] = keys[j];
-      }
+      const unsigned pos = detail::warp_append(take, &storage_.fill);
+      if (take && pos < kSurvivors) survivors[pos] = keys[j];
     }
     __syncthreads();
     const int n = static_cast<int>(storage_.fill);
