@@ -2,7 +2,7 @@
 // cp.async (sm_80+): 16-byte global -> shared copies that bypass the
 // registers, in commit groups a thread waits on. Shared by the kernels that
 // stage tiles through a shared-memory ring (decode attention, prefill
-// selection).
+// selection); and an L2 prefetch, for a load that waits on something else.
 
 namespace hisparse::ptx {
 
@@ -31,6 +31,12 @@ __device__ __forceinline__ void cp_async_wait_at_most(int pending) {
   } else {
     cp_async_wait<0>();
   }
+}
+
+/// Starts bringing the line holding `p` into L2 (no register, no wait): a
+/// later load of it pays an L2 hit instead of the trip to HBM.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }
 
 }  // namespace hisparse::ptx

@@ -26,6 +26,7 @@
 #include <cuda_runtime_api.h>
 
 #include "hisparse/config.hpp"
+#include "hisparse/core/async_copy.cuh"
 #include "hisparse/core/dtype.hpp"
 #include "hisparse/core/kernel_build.hpp"
 #include "hisparse/core/status.hpp"
@@ -210,6 +211,38 @@ __device__ __forceinline__ float warp_sum(float s) {
   return s;
 }
 
+/// One butterfly step of warp_sum_rows per halving of N (N = R, R/2, ..., 2).
+template <int N, int R>
+__device__ __forceinline__ void halve_rows(float (&v)[R], int lane) {
+  if constexpr (N > 1) {
+    constexpr int kOff = 16 * N / R;  // 16, 8, ... as N halves from R
+    const bool upper = (lane & kOff) != 0;
+#pragma unroll
+    for (int j = 0; j < N / 2; ++j) {
+      const float send = upper ? v[j] : v[j + N / 2];
+      const float keep = upper ? v[j + N / 2] : v[j];
+      v[j] = keep + __shfl_xor_sync(kFullMask, send, kOff);
+    }
+    halve_rows<N / 2>(v, lane);
+  }
+}
+
+/// warp_sum of each of R values (R a power of two <= 32) in R - 1 + 5 -
+/// log2(R) shuffles instead of 5 R (9 for 40 at R = 8): the first log2(R)
+/// butterfly steps each hand half of the lane's values to the partner and
+/// add the other half, so lane l ends with the sum of value l / (32 / R).
+/// Every partial adds the same two operands as warp_sum's (a + b == b + a),
+/// so each sum is bit-identical to warp_sum's.
+template <int R>
+__device__ __forceinline__ float warp_sum_rows(float (&v)[R]) {
+  static_assert(R >= 1 && R <= 32 && (R & (R - 1)) == 0, "R must be a power of two <= 32");
+  halve_rows<R>(v, static_cast<int>(threadIdx.x & 31));
+  float s = v[0];
+#pragma unroll
+  for (int off = 16 / R; off > 0; off >>= 1) s += __shfl_xor_sync(kFullMask, s, off);
+  return s;
+}
+
 template <int kPer>
 __device__ __forceinline__ void load_q(const float* qsum, float (&q)[kPer]) {
   const int lane = threadIdx.x & 31;
@@ -217,49 +250,78 @@ __device__ __forceinline__ void load_q(const float* qsum, float (&q)[kPer]) {
   for (int i = 0; i < kPer; ++i) q[i] = qsum[lane * kPer + i];
 }
 
+/// One warp's batch of candidate rows in registers: rows base + u * kStride
+/// (u < kRows) of [0, count), this lane's kPer floats of each -- 128 bytes
+/// of loads in flight per lane. `row(r)` is row r's key sum (D floats).
+template <int D, int S>
+struct row_batch {
+  static constexpr int kPer = D / 32;  // floats per lane: 2, 4 or 8
+  static constexpr int kRows = 32 / kPer;
+  static constexpr int kStride = S * kSelectWarps;
+  static constexpr int kLines = D * 4 / 128;  // 128-byte lines per row
+  static_assert(kRows * kLines == 32, "a batch is one line per lane");
+  float v[kRows][kPer];
+
+  /// Sends the batch's lines towards L2 (one per lane), holding no register:
+  /// the load that follows pays an L2 hit instead of the trip to HBM.
+  template <class Row>
+  __device__ __forceinline__ static void prefetch(int base, int count, Row row) {
+    const int lane = threadIdx.x & 31;
+    const int r = base + lane / kLines * kStride;
+    if (r < count) ptx::prefetch_l2(row(r) + lane % kLines * 32);
+  }
+
+  template <class Row>
+  __device__ __forceinline__ void load(int base, int count, Row row) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int u = 0; u < kRows; ++u)
+      if (base + u * kStride < count) load_lane<kPer>(row(base + u * kStride) + lane * kPer, v[u]);
+  }
+
+  /// Dots every row with qsum's lane part q, sums over the warp and calls
+  /// `store(r, score * scale)` in one lane per row.
+  template <class Store>
+  __device__ __forceinline__ void score(int base, int count, const float (&q)[kPer], float scale,
+                                        Store store) {
+    const int lane = threadIdx.x & 31;
+    float part[kRows];
+#pragma unroll
+    for (int u = 0; u < kRows; ++u) part[u] = base + u * kStride < count ? lane_dot(q, v[u]) : 0.0f;
+    const float s = warp_sum_rows(part);  // lane l: row l / kPer of the batch
+    const int r = base + lane / kPer * kStride;
+    if (lane % kPer == 0 && r < count) store(r, s * scale);
+  }
+};
+
 /// Scores candidate rows [0, count) with one warp per row; the cluster's
-/// S * kSelectWarps warps split the rows, and `store(r, score)` runs in lane
-/// 0. `load(r, d0, v)` fills the lane's floats d0..d0+kPer-1 of row r's key
-/// sum, dotted with qsum and scaled by `scale` (1 / tokens).
-template <int D, int S, class Load, class Store>
-__device__ void score_rows(int count, const float* qsum, Load load, float scale, Store store) {
-  constexpr int kPer = D / 32;  // floats per lane: 2, 4 or 8
-  constexpr int kRowsInFlight = 32 / kPer;  // 128 bytes of loads in flight per lane
-  constexpr int kStride = S * kSelectWarps;
-  const int lane = threadIdx.x & 31;
-  float q[kPer];
+/// S * kSelectWarps warps split the rows, and `store(r, score)` runs in one
+/// lane per row. `row(r)` points at row r's key sum; the rows are dotted
+/// with qsum and scaled by `scale` (1 / tokens). Each batch's successor is
+/// prefetched into L2 while the batch is loaded, so their trips overlap.
+template <int D, int S, class Row, class Store>
+__device__ __forceinline__ void score_rows(int count, const float* qsum, Row row, float scale, Store store) {
+  using batch_t = row_batch<D, S>;
+  constexpr int kStep = batch_t::kStride * batch_t::kRows;
+  float q[batch_t::kPer];
   load_q(qsum, q);
-  for (int base = cluster_warp<S>(); base < count; base += kStride * kRowsInFlight) {
-    float part[kRowsInFlight];
-#pragma unroll
-    for (int u = 0; u < kRowsInFlight; ++u) {
-      const int r = base + u * kStride;
-      part[u] = 0.0f;
-      if (r < count) {
-        float v[kPer];
-        load(r, lane * kPer, v);
-        part[u] = lane_dot(q, v);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kRowsInFlight; ++u) {
-      const float s = warp_sum(part[u]);
-      const int r = base + u * kStride;
-      if (lane == 0 && r < count) store(r, s * scale);
-    }
+  for (int base = cluster_warp<S>(); base < count; base += kStep) {
+    batch_t batch;
+    batch.load(base, count, row);
+    batch_t::prefetch(base + kStep, count, row);
+    batch.score(base, count, q, scale, store);
   }
 }
 
-/// Scores, on one warp of the cluster (`warp`), a row whose key sum is the
-/// sum of the n rows at rows + j * stride, added in order j = 0..n-1 (the
-/// partial block: its far slices' sums); kRowsInFlight rows' loads in flight
-/// at a time. `store(score)` runs in lane 0.
-template <int D, int S, class Store>
-__device__ void score_summed_row(int warp, const float* qsum, const float* rows, std::int64_t stride, int n,
-                                 float scale, Store store) {
+/// Scores, on the calling warp, a row whose key sum is the sum of the n
+/// rows at rows + j * stride, added in order j = 0..n-1 (the partial block:
+/// its far slices' sums); kRowsInFlight rows' loads in flight at a time.
+/// `store(score)` runs in lane 0.
+template <int D, class Store>
+__device__ void score_summed_row(const float* rows, std::int64_t stride, int n, const float* qsum, float scale,
+                                 Store store) {
   constexpr int kPer = D / 32;
   constexpr int kRowsInFlight = 32 / kPer;
-  if (cluster_warp<S>() != warp) return;
   const int lane = threadIdx.x & 31;
   float v[kPer];
 #pragma unroll
@@ -312,6 +374,30 @@ union selection_temp<true> {
   select_block_topk::TempStorage block;
 };
 
+/// log2 of the threads sharing one of n items in a block-wide pass: the
+/// largest power of two p <= 32 with n * p <= kSelectThreads, at least 1.
+/// The p threads of an item are p consecutive lanes of one warp (shifts, not
+/// divisions by a run-time p, map threads to items).
+__device__ __forceinline__ int log2_lanes_per_item(int n) {
+  int lg = 5;
+  while (lg > 0 && (n << lg) > kSelectThreads) --lg;
+  return lg;
+}
+
+/// Max (sum) over the p consecutive lanes of an item; every lane of the
+/// warp calls it with the same p.
+__device__ __forceinline__ topk_key item_max(topk_key x, int p) {
+  for (int off = p / 2; off > 0; off >>= 1) {
+    const topk_key y = __shfl_xor_sync(kFullMask, x, off);
+    x = y > x ? y : x;
+  }
+  return x;
+}
+__device__ __forceinline__ int item_sum(int x, int p) {
+  for (int off = p / 2; off > 0; off >>= 1) x += __shfl_xor_sync(kFullMask, x, off);
+  return x;
+}
+
 /// Top-k of scores[0, count) (candidate ids 0..count-1), ties to the lower
 /// id: sets keep[i] to 1 for the kept candidates and 0 for the rest.
 ///
@@ -320,8 +406,12 @@ union selection_temp<true> {
 /// a key that at least k candidates reach, so every one of the true top k
 /// reaches it too. Only the survivors (~2k-3k on random scores; all of them
 /// in the worst case, still exact) are ranked, each against the others, and
-/// rank < k keeps. Four barriers, no serial rounds: the 1-bit radix select
-/// it replaces spent 32-64 rounds with a barrier each. Larger problems take
+/// rank < k keeps. Four barriers, no serial rounds. Every pass spreads its
+/// items over the whole CTA: an item (a group, a group maximum to rank, a
+/// survivor to rank) gets 2^log2_lanes_per_item threads that split its loop and
+/// combine by shuffles, so a pass is ~count / 256 or ~ng / (256 / ng) steps
+/// long, not the count / ng, ng and survivors steps one thread per item
+/// walked before. Larger problems take
 /// block_topk, in the wide kernel only (the narrow one is launched only
 /// where every stage fits the filter: fits_filter).
 template <bool Wide>
@@ -348,33 +438,48 @@ __device__ void mark_top_k(const float* scores, int count, int k, unsigned char*
     }
   }
   filter_storage& fs = temp.filter;
-  const int ng = min(count, 2 * k);
-  if (t < ng) {
+  // Group g holds candidates g, g + ng, g + 2 ng, ...; its p threads take
+  // every p-th of them.
+  const int ng = min(count, 2 * k);  // <= 2 * kFilterMaxK = kSelectThreads
+  const int lp = log2_lanes_per_item(ng), p = 1 << lp;
+  const int g = t >> lp, sub = t & (p - 1);
+  {
     topk_key m = kNoCandidate;
-    for (int i = t; i < count; i += ng) m = max(m, make_key(scores[i], i));
-    fs.group_max[t] = m;
+    if (g < ng)
+      for (int i = g + ng * sub; i < count; i += ng * p) m = max(m, make_key(scores[i], i));
+    m = item_max(m, p);
+    if (g < ng && sub == 0) fs.group_max[g] = m;
   }
   if (t == 0) fs.fill = 0;
   __syncthreads();
-  if (t < ng) {
-    const topk_key mine = fs.group_max[t];
+  {  // the group maximum with exactly k - 1 above it (keys are distinct)
+    const topk_key mine = g < ng ? fs.group_max[g] : kNoCandidate;
     int above = 0;
-    for (int u = 0; u < ng; ++u) above += fs.group_max[u] > mine ? 1 : 0;
-    if (above == k - 1) fs.threshold = mine;
+    if (g < ng)
+      for (int u = sub; u < ng; u += p) above += fs.group_max[u] > mine ? 1 : 0;
+    above = item_sum(above, p);
+    if (g < ng && sub == 0 && above == k - 1) fs.threshold = mine;
   }
   __syncthreads();
   const topk_key threshold = fs.threshold;
-  for (int i = t; i < count; i += kSelectThreads) {
-    const topk_key key = make_key(scores[i], i);
-    if (key >= threshold) keys[atomicAdd(&fs.fill, 1u)] = key;
+  for (int i0 = 0; i0 < count; i0 += kSelectThreads) {  // the same trip count in every warp
+    const int i = i0 + t;
+    const topk_key key = i < count ? make_key(scores[i], i) : kNoCandidate;
+    const bool take = i < count && key >= threshold;
+    const unsigned pos = warp_append(take, &fs.fill);
+    if (take) keys[pos] = key;
   }
   __syncthreads();
-  const int survivors = static_cast<int>(fs.fill);
-  for (int s = t; s < survivors; s += kSelectThreads) {
-    const topk_key mine = keys[s];
+  const int survivors = static_cast<int>(fs.fill);  // >= k
+  const int lq = log2_lanes_per_item(survivors), q = 1 << lq;
+  for (int s0 = 0; s0 < survivors; s0 += kSelectThreads >> lq) {  // uniform trip count
+    const int s = s0 + (t >> lq), part = t & (q - 1);
+    const topk_key mine = s < survivors ? keys[s] : kNoCandidate;
     int above = 0;
-    for (int u = 0; u < survivors; ++u) above += keys[u] > mine ? 1 : 0;
-    if (above < k) keep[key_index(mine)] = 1;
+    if (s < survivors)
+      for (int u = part; u < survivors; u += q) above += keys[u] > mine ? 1 : 0;
+    above = item_sum(above, q);
+    if (s < survivors && part == 0 && above < k) keep[key_index(mine)] = 1;
   }
   __syncthreads();
 }
@@ -430,6 +535,16 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   const unsigned rank = cluster::rank();
   const int h = static_cast<int>(blockIdx.x) / S, b = blockIdx.y;
   const int seq = in.slots[b];
+  // Step 1's query sum (dimension threadIdx.x), loaded while the slot is on
+  // its way, so the chain to the length is slot -> length, not three loads.
+  static_assert(D <= kSelectThreads, "one query dimension per thread");
+  if (threadIdx.x < D) {
+    const int group = in.num_q_heads / in.kv_heads;
+    const Q* q = in.queries + (std::int64_t{b} * in.num_q_heads + std::int64_t{h} * group) * D + threadIdx.x;
+    float acc = 0.0f;
+    for (int g = 0; g < group; ++g) acc += to_float(q[std::int64_t{g} * D]);
+    qsum[threadIdx.x] = acc;
+  }
   const std::int64_t seq_layer = std::int64_t{seq} * in.layers + in.layer;
   const std::int32_t length = in.lengths[seq_layer];
   const int F = in.fine_slice, C = in.coarse_block, spb = C / F;
@@ -440,34 +555,37 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   const std::int32_t blocks = (ws + C - 1) / C;
   if (rank == 0 && h == 0 && threadIdx.x == 0) p.out.window_begin[b] = ws;
 
-  const int group = in.num_q_heads / in.kv_heads;
-  const Q* q = in.queries + (std::int64_t{b} * in.num_q_heads + std::int64_t{h} * group) * D;
-  for (int d = threadIdx.x; d < D; d += kSelectThreads) {
-    float acc = 0.0f;
-    for (int g = 0; g < group; ++g) acc += to_float(q[std::int64_t{g} * D + d]);
-    qsum[d] = acc;
-  }
+  const std::int64_t head_stride = std::int64_t{in.kv_heads} * D;
+  const float* slice_base = in.slice_sums + (seq_layer * in.max_slices * in.kv_heads + h) * D;
+  const float* block_base = in.block_sums + (seq_layer * in.max_blocks * in.kv_heads + h) * D;
+  // Step 4's candidate blocks: whole blocks use their stored sum; the block
+  // holding ws (if it is partial) is scored by the sum of its far slices'
+  // sums, on the warp next in line after the whole blocks.
+  const std::int32_t whole = std::int64_t{blocks} * C > ws ? blocks - 1 : blocks;
+  auto block_row = [&](int r) { return block_base + r * head_stride; };
+  // This warp's first batch of block sums, and the partial block's far
+  // slices, head for L2 now, so their trips from HBM overlap the cluster
+  // barrier.
+  row_batch<D, S>::prefetch(cluster_warp<S>(), whole, block_row);
+  // The partial block's far slices (rows partial_row(j), j < far_slices -
+  // whole * spb), summed by the warp next in line after the whole blocks.
+  const bool partial_warp = whole < blocks && cluster_warp<S>() == whole % (S * kSelectWarps);
+  auto partial_row = [&](int j) { return slice_base + (std::int64_t{whole} * spb + j) * head_stride; };
+  if (partial_warp)
+    for (int l = threadIdx.x & 31; l < (far_slices - whole * spb) * row_batch<D, S>::kLines; l += 32)
+      ptx::prefetch_l2(partial_row(l / row_batch<D, S>::kLines) + l % row_batch<D, S>::kLines * 32);
+
   // Every CTA of the cluster must be running before any writes into its
   // shared memory: this barrier also publishes qsum.
   cluster::sync();
 
-  const std::int64_t head_stride = std::int64_t{in.kv_heads} * D;
-  const float* slice_base = in.slice_sums + (seq_layer * in.max_slices * in.kv_heads + h) * D;
-  const float* block_base = in.block_sums + (seq_layer * in.max_blocks * in.kv_heads + h) * D;
-
-  // Step 4: score the candidate blocks. Whole blocks use their stored sum;
-  // the block holding ws (if it is partial) is scored by the sum of its far
-  // slices' sums, on the warp next in line after the whole blocks.
-  constexpr int kPer = D / 32;
-  const std::int32_t whole = std::int64_t{blocks} * C > ws ? blocks - 1 : blocks;
-  if (whole < blocks)
-    score_summed_row<D, S>(whole % (S * kSelectWarps), qsum, slice_base + std::int64_t{whole} * spb * head_stride,
-                           head_stride, far_slices - whole * spb, 1.0f / static_cast<float>(ws - whole * C),
-                           [&](float s) { broadcast<S>(coarse_scores, whole, s); });
-  score_rows<D, S>(
-      whole, qsum,
-      [&](int r, int d0, float(&v)[kPer]) { load_lane<kPer>(block_base + r * head_stride + d0, v); },
-      1.0f / static_cast<float>(C), [&](int r, float s) { broadcast<S>(coarse_scores, r, s); });
+  // Step 4: score the candidate blocks.
+  score_rows<D, S>(whole, qsum, block_row, 1.0f / static_cast<float>(C),
+                   [&](int r, float s) { broadcast<S>(coarse_scores, r, s); });
+  if (partial_warp)
+    score_summed_row<D>(partial_row(0), head_stride, far_slices - whole * spb, qsum,
+                        1.0f / static_cast<float>(ws - whole * C),
+                        [&](float s) { broadcast<S>(coarse_scores, whole, s); });
   cluster::sync();
 
   int kept = 0;
@@ -493,11 +611,14 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   // Candidate c is slice kept_blocks[c / spb] * spb + c % spb. Only the last
   // kept block can hold ws, and its slices past ws are the tail of the list,
   // so the real candidates are exactly the first `candidates`.
-  auto slice_of = [&](int c) { return kept_blocks[c / spb] * spb + c % spb; };
+  auto slice_of = [&](int c) {
+    const int j = c / spb;
+    return c + (kept_blocks[j] - j) * spb;
+  };
   const int candidates = kept == 0 ? 0 : kept * spb - max(0, (kept_blocks[kept - 1] + 1) * spb - far_slices);
   score_rows<D, S>(
       candidates, qsum,
-      [&](int c, int d0, float(&v)[kPer]) { load_lane<kPer>(slice_base + slice_of(c) * head_stride + d0, v); },
+      [&](int c) { return slice_base + slice_of(c) * head_stride; },
       1.0f / static_cast<float>(F), [&](int c, float s) { broadcast<S>(fine_scores, c, s); });
   // After this barrier no CTA touches another's shared memory again, so the
   // others may leave.
