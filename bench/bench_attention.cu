@@ -62,17 +62,20 @@ struct decode_fixture {
         queries(static_cast<std::size_t>(batch) * kQHeads * kDim),
         out(static_cast<std::size_t>(batch) * kQHeads * kDim),
         lse(static_cast<std::size_t>(batch) * kQHeads) {
+    // Random keys and values in 16K-token chunks drawn afresh on the device
+    // (one chunk appended again and again, as until 2026-11-30, repeats
+    // every block score 16 times at 256K and inflates the selection's
+    // ranking with ties).
     constexpr std::int32_t kChunk = 16384;
     workload::splitmix64 rng(3);
-    std::vector<bf16> host(static_cast<std::size_t>(kChunk) * kKvHeads * kDim);
-    for (auto& x : host) x = from_float<bf16>(static_cast<float>(rng.normal()));
-    device_array<bf16> chunk(host);
+    device_array<bf16> chunk(static_cast<std::size_t>(kChunk) * kKvHeads * kDim);
     for (int b = 0; b < batch; ++b) {
       int slot = 0;
       throw_if_error(cache.add_sequence(context, slot));
       slots.push_back(slot);
       for (std::int32_t done = 0; done < context; done += kChunk) {
         const std::int32_t n = std::min(kChunk, context - done);
+        bench::fill_normal(chunk.ptr, static_cast<std::size_t>(kChunk) * kKvHeads * kDim, rng.next());
         throw_if_error(cache.append_async(0, std::vector<kv::append_segment>{{slot, 0, n}}, chunk.ptr, chunk.ptr,
                                           nullptr));
       }

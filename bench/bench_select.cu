@@ -13,6 +13,8 @@
 #include "hisparse/select/prefill_selection.cuh"
 #include "hisparse/workload/synthetic.hpp"
 
+#include "bench_support.hpp"
+
 namespace {
 
 using namespace hisparse;
@@ -38,14 +40,16 @@ kv::paged_kv_cache_options cache_options(int batch, std::int32_t context) {
   return o;
 }
 
-/// Fills `batch` sequences of `context` tokens by appending one random
-/// 16K-token chunk repeatedly (the selection's time depends on the sizes, not
-/// on which blocks win); returns their slots.
+/// Fills `batch` sequences of `context` tokens of random keys and values,
+/// appended in 16K-token chunks drawn afresh on the device, and returns
+/// their slots. Every block and slice sum differs: one chunk appended again
+/// and again (as this did until 2026-11-30) repeats each block score 16
+/// times at 256K, and those ties doubled the ranking's survivors.
 std::vector<std::int32_t> fill_cache(cache_type& cache, int batch, std::int32_t context, workload::splitmix64& rng) {
   constexpr std::int32_t kChunk = 16384;
-  std::vector<bf16> host(static_cast<std::size_t>(kChunk) * kKvHeads * kDim);
-  for (auto& x : host) x = from_float<bf16>(static_cast<float>(rng.normal()));
-  bf16* chunk = device_copy(host);
+  const std::size_t chunk_elems = static_cast<std::size_t>(kChunk) * kKvHeads * kDim;
+  bf16* chunk = nullptr;
+  HISPARSE_CUDA_CHECK(cudaMalloc(&chunk, chunk_elems * sizeof(bf16)));
   std::vector<std::int32_t> slots(static_cast<std::size_t>(batch));
   for (auto& s : slots) {
     int slot = 0;
@@ -53,6 +57,7 @@ std::vector<std::int32_t> fill_cache(cache_type& cache, int batch, std::int32_t 
     s = slot;
     for (std::int32_t done = 0; done < context; done += kChunk) {
       const std::int32_t n = std::min(kChunk, context - done);
+      bench::fill_normal(chunk, chunk_elems, rng.next());
       throw_if_error(cache.append_async(0, std::vector<kv::append_segment>{{slot, 0, n}}, chunk, chunk, nullptr));
     }
   }
