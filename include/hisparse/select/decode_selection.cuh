@@ -149,11 +149,39 @@ struct cluster_ops {
   /// Barrier across the cluster with release/acquire semantics: shared
   /// memory written (locally or remotely) before it is visible after it.
   __device__ static void sync() {
+    arrive();
+    wait();
+  }
+  /// The two halves of a cluster barrier, for work between them. arrive()
+  /// releases what this thread wrote; wait() returns once every thread of
+  /// the cluster has arrived, and acquires. With S = 1 arrive() is nothing
+  /// and wait() is __syncthreads().
+  __device__ static void arrive() {
+    if constexpr (S > 1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      asm volatile("barrier.cluster.arrive.aligned;\n" ::: "memory");
+#else
+      __trap();
+#endif
+    }
+  }
+  /// arrive() without the release: for a barrier that only says "this CTA
+  /// is running" (no memory of it is read across the barrier).
+  __device__ static void arrive_relaxed() {
+    if constexpr (S > 1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+#else
+      __trap();
+#endif
+    }
+  }
+  __device__ static void wait() {
     if constexpr (S == 1) {
       __syncthreads();
     } else {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      cooperative_groups::this_cluster().sync();
+      asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 #else
       __trap();
 #endif
@@ -531,6 +559,11 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   auto* keep = smem + p.smem.keep;
   auto* kept_blocks = reinterpret_cast<std::int32_t*>(smem + p.smem.kept_blocks);
 
+  // Every CTA of the cluster must be running before any writes into its
+  // shared memory: this CTA says so now, and waits for the others only
+  // before its first remote write, so the barrier's round trip overlaps the
+  // loads below.
+  cluster::arrive_relaxed();
   const auto& in = p.in;
   const unsigned rank = cluster::rank();
   const int h = static_cast<int>(blockIdx.x) / S, b = blockIdx.y;
@@ -575,9 +608,8 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
     for (int l = threadIdx.x & 31; l < (far_slices - whole * spb) * row_batch<D, S>::kLines; l += 32)
       ptx::prefetch_l2(partial_row(l / row_batch<D, S>::kLines) + l % row_batch<D, S>::kLines * 32);
 
-  // Every CTA of the cluster must be running before any writes into its
-  // shared memory: this barrier also publishes qsum.
-  cluster::sync();
+  if constexpr (S > 1) __syncthreads();  // qsum, within the CTA (the arrive was relaxed)
+  cluster::wait();                         // every CTA of the cluster is running
 
   // Step 4: score the candidate blocks.
   score_rows<D, S>(whole, qsum, block_row, 1.0f / static_cast<float>(C),
@@ -619,11 +651,13 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   score_rows<D, S>(
       candidates, qsum,
       [&](int c) { return slice_base + slice_of(c) * head_stride; },
-      1.0f / static_cast<float>(F), [&](int c, float s) { broadcast<S>(fine_scores, c, s); });
-  // After this barrier no CTA touches another's shared memory again, so the
-  // others may leave.
-  cluster::sync();
+      1.0f / static_cast<float>(F), [&](int c, float s) { cluster::peer(fine_scores, 0u)[c] = s; });
+  // Only the writer (rank 0) ranks the slices, so the scores go to it alone
+  // and the others leave once their scores are released: nobody reads or
+  // writes their shared memory after this arrive.
+  cluster::arrive();
   if (!writer) return;
+  cluster::wait();
 
   std::int32_t* out_slices = p.out.kept_slices + at * p.top_k_fine;
   float* out_slice_scores = p.out.slice_scores ? p.out.slice_scores + at * p.top_k_fine : nullptr;
