@@ -435,13 +435,12 @@ __device__ __forceinline__ int item_sum(int x, int p) {
 /// reaches it too. Only the survivors (~2k-3k on random scores; all of them
 /// in the worst case, still exact) are ranked, each against the others, and
 /// rank < k keeps. Four barriers, no serial rounds. Every pass spreads its
-/// items over the whole CTA: an item (a group, a group maximum to rank, a
-/// survivor to rank) gets 2^log2_lanes_per_item threads that split its loop and
-/// combine by shuffles, so a pass is ~count / 256 or ~ng / (256 / ng) steps
-/// long, not the count / ng, ng and survivors steps one thread per item
-/// walked before. Larger problems take
-/// block_topk, in the wide kernel only (the narrow one is launched only
-/// where every stage fits the filter: fits_filter).
+/// items (a group, a group maximum to rank, a survivor to rank) over the
+/// whole CTA: 2^log2_lanes_per_item threads per item split its loop and
+/// combine by shuffles, so a pass takes ~count / 256 or ~ng / (256 / ng)
+/// steps, not the count / ng, ng or `survivors` of one thread per item.
+/// Larger problems take block_topk, in the wide kernel only (the narrow one
+/// is launched only where every stage fits the filter: fits_filter).
 template <bool Wide>
 __device__ void mark_top_k(const float* scores, int count, int k, unsigned char* keep, topk_key* keys,
                            selection_temp<Wide>& temp) {
@@ -597,11 +596,9 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   const std::int32_t whole = std::int64_t{blocks} * C > ws ? blocks - 1 : blocks;
   auto block_row = [&](int r) { return block_base + r * head_stride; };
   // This warp's first batch of block sums, and the partial block's far
-  // slices, head for L2 now, so their trips from HBM overlap the cluster
-  // barrier.
+  // slices (rows partial_row(j), j < far_slices - whole * spb), head for L2
+  // now, so their trips from HBM overlap the cluster barrier.
   row_batch<D, S>::prefetch(cluster_warp<S>(), whole, block_row);
-  // The partial block's far slices (rows partial_row(j), j < far_slices -
-  // whole * spb), summed by the warp next in line after the whole blocks.
   const bool partial_warp = whole < blocks && cluster_warp<S>() == whole % (S * kSelectWarps);
   auto partial_row = [&](int j) { return slice_base + (std::int64_t{whole} * spb + j) * head_stride; };
   if (partial_warp)
