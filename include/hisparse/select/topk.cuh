@@ -2,26 +2,36 @@
 // Top-k selection: warp- and block-level primitives (CUB style: the caller
 // owns the TempStorage) and a device-wide batched top-k.
 //
-// Algorithm: radix select with 1-bit digits on the 64-bit keys of
-// topk_keys.hpp. Each key stays in a register; 32 rounds over the high word
-// (the score) find the k-th largest score, and only when that score is tied
-// past k do 32 more rounds over the low word (the index) among the ties pick
-// the lowest indices. A round is one comparison per key and one count across
-// the warp (`redux.sync`) or block: no shared-memory histograms, so no atomic
-// contention when scores cluster (they do: the top bits of normally
-// distributed floats take a handful of values). The k survivors are
-// compacted and sorted by a bitonic network (in registers for a warp, in
-// shared memory for a block). Rows longer than one block's registers hold are
-// cut into chunks whose top-k candidates are reduced again (temp storage).
+// Algorithms (measured on the H200: PERF_NOTES.md, "Batched top-k"), all on
+// the order-preserving 64-bit keys of topk_keys.hpp:
+// - a warp (rows of up to 512, k <= 32): each lane sorts its keys in
+//   registers, then k rounds of two `redux.sync` maxima take the largest
+//   head across the lanes (detail::extract_top). No data-dependent path.
+// - a block from fp32 scores (k <= Threads / 4): a threshold from the lanes'
+//   maxima that at least k scores reach, float compares against it, keys
+//   built for the survivors alone (~110 of 4096 for k = 64), each ranked
+//   against all of them in shared memory.
+// - otherwise, and where the filter leaves too many or too few survivors
+//   (ties, sorted rows, NaNs): radix select with 1-bit digits. 32 rounds
+//   over the high word (the score) find the k-th largest score, and only
+//   when it is tied past k do 32 more over the low word (the index) pick the
+//   lowest indices among the ties; each round is one comparison per key and
+//   one count across the block, so no shared-memory histogram suffers when
+//   scores cluster. The k found are sorted by a bitonic network in shared
+//   memory.
+// Rows longer than one block holds (256 * 16) are cut into chunks whose
+// top-k candidates are reduced again (temp storage).
 //
 // Contract (the same as DESIGN.md section 1 and reference::select_top_k):
 // values descending, ties to the lower index, NaN below -inf, -0 == +0; a row
 // with fewer than k valid entries ends in padding (index -1, value -inf).
 
 #include <algorithm>
+#include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include <cuda_runtime_api.h>
 
@@ -40,22 +50,6 @@ namespace detail {
 __device__ __forceinline__ std::uint32_t hi_word(topk_key k) { return static_cast<std::uint32_t>(k >> 32); }
 __device__ __forceinline__ std::uint32_t lo_word(topk_key k) { return static_cast<std::uint32_t>(k); }
 
-/// Bitonic sort of one key per lane, descending across the warp.
-__device__ __forceinline__ topk_key warp_sort_descending(topk_key key) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int size = 2; size <= 32; size <<= 1) {
-#pragma unroll
-    for (int stride = size / 2; stride > 0; stride >>= 1) {
-      const topk_key other = __shfl_xor_sync(kFullMask, key, stride);
-      const bool descending = (lane & size) == 0 || size == 32;
-      const bool keep_max = ((lane & stride) == 0) == descending;
-      key = keep_max ? (key > other ? key : other) : (key < other ? key : other);
-    }
-  }
-  return key;
-}
-
 /// Warp-aggregated append: every lane of the warp calls it; the lanes with
 /// `take` get consecutive slots from `*fill` (a shared counter), in lane
 /// order, for one atomic per warp. Returns this lane's slot (meaningless
@@ -70,21 +64,104 @@ __device__ __forceinline__ unsigned warp_append(bool take, unsigned* fill) {
   base = __shfl_sync(kFullMask, base, leader);
   return base + __popc(ballot & ((1u << lane) - 1u));
 }
+
+/// Batcher's odd-even merge sort network for E inputs (E a power of two):
+/// E = 8 takes 19 compare-exchanges, E = 16 takes 63. Built at compile time,
+/// so every register index below is a constant.
+template <int E>
+struct batcher_network {
+  struct pair {
+    int a, b;
+  };
+  HISPARSE_HOST_DEVICE static constexpr int count() {
+    int c = 0;
+    for (int p = 1; p < E; p <<= 1)
+      for (int q = p; q >= 1; q >>= 1)
+        for (int j = q % p; j + q < E; j += 2 * q)
+          for (int i = 0; i < q && i + j + q < E; ++i)
+            if ((i + j) / (2 * p) == (i + j + q) / (2 * p)) ++c;
+    return c;
+  }
+  struct table {
+    pair at[count() > 0 ? count() : 1];
+  };
+  HISPARSE_HOST_DEVICE static constexpr table make() {
+    table t{};
+    int c = 0;
+    for (int p = 1; p < E; p <<= 1)
+      for (int q = p; q >= 1; q >>= 1)
+        for (int j = q % p; j + q < E; j += 2 * q)
+          for (int i = 0; i < q && i + j + q < E; ++i)
+            if ((i + j) / (2 * p) == (i + j + q) / (2 * p)) t.at[c++] = {i + j, i + j + q};
+    return t;
+  }
+  static constexpr int kCount = count();
+  static constexpr table pairs = make();
+};
+
+template <int A, int B, int E>
+__device__ __forceinline__ void exchange_descending(topk_key (&v)[E]) {
+  const topk_key a = v[A], b = v[B];
+  v[A] = a > b ? a : b;
+  v[B] = a > b ? b : a;
+}
+
+template <int E, std::size_t... C>
+__device__ __forceinline__ void run_network(topk_key (&v)[E], std::index_sequence<C...>) {
+  using net = batcher_network<E>;
+  (exchange_descending<net::pairs.at[C].a, net::pairs.at[C].b>(v), ...);
+}
+
+/// Sorts E keys (E a power of two) in registers, descending.
+template <int E>
+__device__ __forceinline__ void sort_descending(topk_key (&v)[E]) {
+  static_assert(E >= 1 && (E & (E - 1)) == 0, "sort_descending needs a power of two");
+  run_network(v, std::make_index_sequence<static_cast<std::size_t>(batcher_network<E>::kCount)>{});
+}
+
+/// The k largest keys of a warp whose lanes each hold a descending column:
+/// `head` is this lane's first key and `next` points at its second, the
+/// column continuing every 32 keys and ending in two kNoCandidate (each
+/// round reads the key after the head, so one past the end). Round r names
+/// the largest head (score word by `redux.sync` max, then the index word
+/// among the tied lanes; real keys are distinct, so one lane owns it), and
+/// its owner writes it to out[r] (shared) and moves down its column. Rounds
+/// past the real candidates have no owner and write nothing, so the caller
+/// fills out[] with kNoCandidate first where that can happen.
+__device__ __forceinline__ void extract_top(topk_key head, const topk_key* next, int k, topk_key* out) {
+#pragma unroll 4
+  for (int r = 0; r < k; ++r) {
+    const topk_key after = *next;  // read every round, off the round's dependent chain
+    const std::uint32_t hi = hi_word(head), lo = lo_word(head);
+    const std::uint32_t top_hi = __reduce_max_sync(kFullMask, hi);
+    const std::uint32_t top_lo = __reduce_max_sync(kFullMask, hi == top_hi ? lo : 0u);
+    const bool owner = hi == top_hi && lo == top_lo && top_lo != 0u;
+    if (owner) out[r] = head;
+    head = owner ? after : head;
+    next += owner ? 32 : 0;
+  }
+}
+
+/// Monotone map of non-NaN floats to int32 (an involution: it also maps
+/// back); -0 sits just below +0.
+__device__ __forceinline__ int ordered_int(int bits) { return bits ^ ((bits >> 31) & 0x7FFFFFFF); }
 }  // namespace detail
 
-/// Warp-wide top-k of E keys per lane, k <= 32.
+/// Warp-wide top-k of E keys per lane (E a power of two), k <= 32.
 ///
-/// First a threshold filter: the k-th largest score of 64 group maxima (each
-/// lane's keys in two halves) is one at least k keys reach, so the k largest
-/// are all at or above it; the survivors (~2k on random rows) are ranked against
-/// each other, and each key's rank is its output slot. Where more than 64
-/// survive (ties, sorted rows) the radix select below takes over.
+/// Each lane sorts its keys (Batcher's network in registers) and parks them
+/// in its own column of shared memory; then k rounds each take the largest
+/// head of the 32 columns: two `redux.sync` maxima (the score word, then the
+/// index word among the lanes whose score word ties) name the key, and the
+/// one lane whose head it was records it and advances to its next key.
+/// About a dozen instructions a round and no data-dependent path: ties,
+/// sorted rows, NaNs and padding cost what random rows cost.
 template <int E>
 class warp_topk {
  public:
   struct TempStorage {
-    alignas(16) topk_key keys[64];  ///< the filter first counts 64 score words here, 16 bytes at a time
-    topk_key out[32];
+    topk_key column[E + 2][32];  ///< lane i's sorted keys down column i; rows E, E + 1 stay kNoCandidate
+    topk_key out[32];            ///< round r's key
   };
 
   __device__ explicit warp_topk(TempStorage& storage) : storage_(storage) {}
@@ -93,94 +170,21 @@ class warp_topk {
   /// kNoCandidate in lanes past k or past the number of real candidates.
   __device__ topk_key select(const topk_key (&keys)[E], int k) {
     const int lane = threadIdx.x & 31;
-    if constexpr (E >= 2) {
-      topk_key m0 = kNoCandidate, m1 = kNoCandidate;
+    topk_key v[E];
 #pragma unroll
-      for (int j = 0; j < E; ++j) {
-        if (j < E / 2) m0 = keys[j] > m0 ? keys[j] : m0;
-        else m1 = keys[j] > m1 ? keys[j] : m1;
-      }
-      // Counted on the score words alone (32-bit compares, 4 per shared
-      // load): the k-th largest of the 64 maxima's scores still has k keys
-      // at or above it, so every key of the k largest passes.
-      const std::uint32_t h0 = detail::hi_word(m0), h1 = detail::hi_word(m1);
-      auto* words = reinterpret_cast<std::uint32_t*>(storage_.keys);
-      words[lane] = h0;
-      words[32 + lane] = h1;
-      __syncwarp();
-      int above0 = 0, above1 = 0;
+    for (int j = 0; j < E; ++j) v[j] = keys[j];
+    detail::sort_descending(v);
 #pragma unroll
-      for (int u = 0; u < 64; u += 4) {
-        const uint4 x = *reinterpret_cast<const uint4*>(words + u);
-        above0 += (x.x > h0) + (x.y > h0) + (x.z > h0) + (x.w > h0);
-        above1 += (x.x > h1) + (x.y > h1) + (x.z > h1) + (x.w > h1);
-      }
-      // The k-th largest score word (with multiplicity): the smallest of
-      // those with fewer than k strictly above.
-      const std::uint32_t mine = min(above0 < k ? h0 : 0xFFFFFFFFu, above1 < k ? h1 : 0xFFFFFFFFu);
-      const topk_key threshold = static_cast<topk_key>(__reduce_min_sync(kFullMask, mine)) << 32;
-      __syncwarp();
-      unsigned survivors = 0;
-#pragma unroll
-      for (int j = 0; j < E; ++j) {
-        const bool take = keys[j] >= threshold && keys[j] != kNoCandidate;
-        const unsigned ballot = __ballot_sync(kFullMask, take);
-        const unsigned pos = survivors + __popc(ballot & ((1u << lane) - 1u));
-        if (take && pos < 64) storage_.keys[pos] = keys[j];
-        survivors += __popc(ballot);
-      }
-      __syncwarp();
-      if (survivors <= 64) {
-        const int n = static_cast<int>(survivors);
-        for (int i = lane; i < n; i += 32) {
-          const topk_key key = storage_.keys[i];
-          int rank = 0;
-          for (int u = 0; u < n; ++u) rank += storage_.keys[u] > key ? 1 : 0;
-          if (rank < k) storage_.out[rank] = key;
-        }
-        __syncwarp();
-        const topk_key result = lane < min(n, k) ? storage_.out[lane] : kNoCandidate;
-        __syncwarp();
-        return result;
-      }
-    }
-    auto count = [&](auto pred) {
-      unsigned c = 0;
-#pragma unroll
-      for (int j = 0; j < E; ++j) c += pred(keys[j]) ? 1u : 0u;
-      return __reduce_add_sync(kFullMask, c);
-    };
-    const auto want = static_cast<unsigned>(k);
-    std::uint32_t hi = 0;
-    for (int bit = 31; bit >= 0; --bit) {
-      const std::uint32_t cand = hi | (1u << bit);
-      if (count([&](topk_key x) { return detail::hi_word(x) >= cand; }) >= want) hi = cand;
-    }
-    std::uint32_t lo = 0;
-    const unsigned at_least = count([&](topk_key x) { return detail::hi_word(x) >= hi; });
-    if (at_least > want) {  // the k-th score is tied past k: lowest indices win
-      const unsigned above = count([&](topk_key x) { return detail::hi_word(x) > hi; });
-      const unsigned need = want - above;
-      for (int bit = 31; bit >= 0; --bit) {
-        const std::uint32_t cand = lo | (1u << bit);
-        if (count([&](topk_key x) { return detail::hi_word(x) == hi && detail::lo_word(x) >= cand; }) >= need)
-          lo = cand;
-      }
-    }
-    const topk_key threshold = (static_cast<topk_key>(hi) << 32) | lo;
-    unsigned base = 0;
-#pragma unroll
-    for (int j = 0; j < E; ++j) {
-      const bool take = keys[j] >= threshold && keys[j] != kNoCandidate;
-      const unsigned ballot = __ballot_sync(kFullMask, take);
-      const unsigned pos = base + __popc(ballot & ((1u << lane) - 1u));
-      if (take && pos < 32) storage_.keys[pos] = keys[j];
-      base += __popc(ballot);
-    }
+    for (int j = 1; j < E; ++j) storage_.column[j][lane] = v[j];
+    storage_.column[E][lane] = kNoCandidate;
+    storage_.column[E + 1][lane] = kNoCandidate;  // read (never taken) by every round after the column runs out
+    storage_.out[lane] = kNoCandidate;
+    __syncwarp();  // out[] is written by whichever lane owns a round's key
+    detail::extract_top(v[0], &storage_.column[1][lane], k, storage_.out);
     __syncwarp();
-    topk_key mine = lane < static_cast<int>(min(base, want)) ? storage_.keys[lane] : kNoCandidate;
+    const topk_key mine = storage_.out[lane];
     __syncwarp();
-    return detail::warp_sort_descending(mine);
+    return mine;
   }
 
  private:
@@ -195,16 +199,16 @@ class warp_topk {
 /// For k <= Threads / 4, first a threshold filter: each warp takes the c-th
 /// largest score of its lanes' maxima (c = ceil(k / warps)), and the
 /// smallest of those is a score at least k keys reach (c per warp), so the k
-/// largest are all at or above it; the survivors (~110 for k = 64 of 4096 random keys)
-/// are ranked against each other in shared memory and written to their
-/// slots: three barriers, where the radix select below spends one per bit.
-/// More than kSurvivors survivors (ties, sorted or short rows) take the radix
-/// path.
+/// largest are all at or above it; the survivors (~110 for k = 64 of 4096
+/// random keys) are ranked against each other in shared memory.
+/// `select_scores`, which starts from fp32 scores, filters with float
+/// compares and builds keys for the survivors alone. Too many survivors
+/// (ties, sorted or short rows), or too few (NaNs), take the radix select,
+/// whose rounds each count one bit of the k-th key across the block.
 template <int Threads, int E>
 class block_topk {
   static_assert(Threads % 32 == 0 && Threads >= 64, "block_topk needs whole warps, at least two");
   static constexpr int kWarps = Threads / 32;
-  static constexpr int kFilterK = Threads / 4;
   static constexpr int kSurvivors = 2 * Threads;
 
   HISPARSE_HOST_DEVICE static constexpr int pow2(int k) {
@@ -214,6 +218,8 @@ class block_topk {
   }
 
  public:
+  static constexpr int kFilterK = Threads / 4;  ///< the largest k the threshold filter takes
+
   struct TempStorage {
     unsigned counts[2][kWarps];
     unsigned fill;
@@ -234,20 +240,71 @@ class block_topk {
       const int found = select_filtered(keys, k, sorted);
       if (found >= 0) return found;
     }
+    return select_radix(register_keys{keys}, k, sorted);
+  }
+
+  /// Keys of shared memory `sorted` needs for select_scores: sort_capacity(k)
+  /// and, past it, room for the block's Threads * E score words, where the
+  /// radix path keeps them (so its many passes hold no keys in registers).
+  HISPARSE_HOST_DEVICE static constexpr int scores_capacity(int k) {
+    return sort_capacity(k) + (Threads * E + 1) / 2;
+  }
+
+  /// The same from fp32 scores, with `sorted` of scores_capacity(k) keys:
+  /// this thread's x[j] is entry first + j * Threads + threadIdx.x of the
+  /// row, a candidate below `len`. Past `len`, x[j] is never a candidate, but
+  /// NaN there keeps the filter fast (anything larger can raise its threshold
+  /// past the k-th score and send the row to the radix path).
+  __device__ int select_scores(const float (&x)[E], int first, int len, int k, topk_key* sorted) {
+    if (k <= kFilterK) {  // uniform
+      const int found = filter_scores(x, first, len, k, sorted);
+      if (found >= 0) return found;
+    }
+    // The radix path reads each key back from shared memory: the score word
+    // this thread parked there (only it reads its words, and every pass
+    // starts after a barrier, so nothing is kept in registers across
+    // passes), the index word from the position.
+    auto* words = reinterpret_cast<std::uint32_t*>(sorted + sort_capacity(k)) + threadIdx.x;
+#pragma unroll
+    for (int j = 0; j < E; ++j) words[j * Threads] = ordered_bits(x[j]);
+    return select_radix(shared_words{words, first + static_cast<int>(threadIdx.x), len}, k, sorted);
+  }
+
+ private:
+  /// The radix path's view of this thread's keys: key(j), j < E.
+  struct register_keys {
+    static constexpr bool kUnrolled = true;
+    const topk_key (&keys)[E];
+    __device__ topk_key operator()(int j) const { return keys[j]; }
+  };
+  struct shared_words {  // one loop iteration per key: no per-key registers
+    static constexpr bool kUnrolled = false;
+    const std::uint32_t* words;  ///< this thread's first word; the next Threads apart
+    int base, len;
+    __device__ topk_key operator()(int j) const {
+      const int i = base + j * Threads;
+      return i < len ? (static_cast<topk_key>(words[j * Threads]) << 32) | (0xFFFFFFFFu - static_cast<std::uint32_t>(i))
+                     : kNoCandidate;
+    }
+  };
+
+  /// Radix select over key(j), j < E (the keys of this thread).
+  template <class Key>
+  __device__ int select_radix(Key key, int k, topk_key* sorted) {
     const auto want = static_cast<unsigned>(k);
     std::uint32_t hi = 0;
     for (int bit = 31; bit >= 0; --bit) {
       const std::uint32_t cand = hi | (1u << bit);
-      if (count(keys, [&](topk_key x) { return detail::hi_word(x) >= cand; }) >= want) hi = cand;
+      if (count(key, [&](topk_key x) { return detail::hi_word(x) >= cand; }) >= want) hi = cand;
     }
     std::uint32_t lo = 0;
-    const unsigned at_least = count(keys, [&](topk_key x) { return detail::hi_word(x) >= hi; });
+    const unsigned at_least = count(key, [&](topk_key x) { return detail::hi_word(x) >= hi; });
     if (at_least > want) {
-      const unsigned above = count(keys, [&](topk_key x) { return detail::hi_word(x) > hi; });
+      const unsigned above = count(key, [&](topk_key x) { return detail::hi_word(x) > hi; });
       const unsigned need = want - above;
       for (int bit = 31; bit >= 0; --bit) {
         const std::uint32_t cand = lo | (1u << bit);
-        if (count(keys, [&](topk_key x) { return detail::hi_word(x) == hi && detail::lo_word(x) >= cand; }) >=
+        if (count(key, [&](topk_key x) { return detail::hi_word(x) == hi && detail::lo_word(x) >= cand; }) >=
             need)
           lo = cand;
       }
@@ -255,12 +312,20 @@ class block_topk {
     const topk_key threshold = (static_cast<topk_key>(hi) << 32) | lo;
     if (threadIdx.x == 0) storage_.fill = 0;
     __syncthreads();
-#pragma unroll
-    for (int j = 0; j < E; ++j)
-      if (keys[j] >= threshold && keys[j] != kNoCandidate) {
+    auto keep = [&](int j) {
+      const topk_key x = key(j);
+      if (x >= threshold && x != kNoCandidate) {
         const unsigned pos = atomicAdd(&storage_.fill, 1u);
-        if (pos < want) sorted[pos] = keys[j];
+        if (pos < want) sorted[pos] = x;
       }
+    };
+    if constexpr (Key::kUnrolled) {
+#pragma unroll
+      for (int j = 0; j < E; ++j) keep(j);
+    } else {
+#pragma unroll 1
+      for (int j = 0; j < E; ++j) keep(j);
+    }
     __syncthreads();
     const int found = static_cast<int>(min(storage_.fill, want));
     const int cap = pow2(k);  // the bitonic network needs a power of two (not sort_capacity)
@@ -284,7 +349,6 @@ class block_topk {
     return found;
   }
 
- private:
   /// The threshold filter; -1 (and nothing written) when too many survive.
   __device__ int select_filtered(const topk_key (&keys)[E], int k, topk_key* sorted) {
     const int t = static_cast<int>(threadIdx.x);
@@ -332,14 +396,95 @@ class block_topk {
     return found;
   }
 
+  /// select_scores' filter: the same threshold, on floats (a NaN never
+  /// passes `>=`), so the check that at least k entries passed is what
+  /// proves the k largest are among them. Each survivor is ranked by one
+  /// thread against all of them (short, independent shared loads: a warp
+  /// extracting the k largest one round at a time kept the other warps
+  /// waiting at the barrier for half the kernel on the H200). -1 (and
+  /// nothing written) when fewer than k or more than Threads pass.
+  __device__ int filter_scores(const float (&x)[E], int first, int len, int k, topk_key* sorted) {
+    const int t = static_cast<int>(threadIdx.x), lane = t & 31;
+    float m = x[0];
+#pragma unroll
+    for (int j = 1; j < E; ++j) m = fmaxf(m, x[j]);  // ignores NaN; NaN only when the lane has no number
+    // This warp's c-th largest lane maximum: c - 1 rounds each drop one lane
+    // holding the largest (a lane with no number counts as the lowest).
+    int o = isnan(m) ? INT_MIN : detail::ordered_int(__float_as_int(m));
+    const int c = (k + kWarps - 1) / kWarps;
+    for (int r = 1; r < c; ++r) {
+      const int top = __reduce_max_sync(kFullMask, o);
+      const unsigned owners = __ballot_sync(kFullMask, o == top);
+      if (lane == __ffs(owners) - 1) o = INT_MIN;
+    }
+    o = __reduce_max_sync(kFullMask, o);
+    if (t == 0) storage_.fill = 0;
+    if (lane == 0) storage_.warp_min[t / 32] = static_cast<std::uint32_t>(o);
+    __syncthreads();
+    int lowest = INT_MAX;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) lowest = min(lowest, static_cast<int>(storage_.warp_min[w]));
+    const float threshold = __int_as_float(detail::ordered_int(lowest));  // INT_MIN -> NaN: none pass
+    // Survivors get consecutive slots, one shared atomic per warp: a first
+    // pass counts the warp's survivors by ballots, the second places them.
+    const int rest = len - first - t;  // this thread's entries below len: ceil(rest / Threads)
+    const int valid = rest <= 0 ? 0 : (rest + Threads - 1) / Threads;
+    auto take = [&](int j) { return x[j] >= threshold && j < valid; };
+    unsigned total = 0;
+#pragma unroll
+    for (int j = 0; j < E; ++j) total += __popc(__ballot_sync(kFullMask, take(j)));
+    unsigned base = 0;
+    if (lane == 0 && total != 0) base = atomicAdd(&storage_.fill, total);
+    base = __shfl_sync(kFullMask, base, 0);
+    const unsigned below = (1u << lane) - 1u;
+    // 16-byte aligned (two keys a load in the ranking below), sized for
+    // Threads + 1 keys: sort_capacity leaves kSurvivors = 2 * Threads.
+    topk_key* survivors = sorted + (pow2(k) + 1) / 2 * 2;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const unsigned ballot = __ballot_sync(kFullMask, take(j));
+      if (ballot != 0u) {  // uniform: most slots of a warp have no survivor
+        const unsigned pos = base + __popc(ballot & below);
+        if (take(j) && pos < static_cast<unsigned>(Threads)) survivors[pos] = make_key(x[j], first + j * Threads + t);
+        base += __popc(ballot);
+      }
+    }
+    __syncthreads();
+    const int n = static_cast<int>(storage_.fill);
+    if (n < k || n > Threads) {
+      __syncthreads();  // every thread has read fill before the radix path reuses it
+      return -1;
+    }
+    if (t == 0) survivors[n] = kNoCandidate;  // pads an odd count for the paired loads (below every key)
+    __syncthreads();
+    if (t < n) {  // a survivor's rank is the number of survivors above it
+      const topk_key key = survivors[t];
+      int rank = 0;
+      const auto* pairs = reinterpret_cast<const ulonglong2*>(survivors);
+#pragma unroll 2
+      for (int u = 0; u < (n + 1) / 2; ++u) {
+        const ulonglong2 two = pairs[u];
+        rank += (two.x > key ? 1 : 0) + (two.y > key ? 1 : 0);
+      }
+      if (rank < k) sorted[rank] = key;
+    }
+    __syncthreads();
+    return k;
+  }
+
   /// Block-wide count of keys satisfying pred: one redux per warp, one
   /// barrier. The two count slots alternate, so a slot is rewritten only
   /// after every thread has passed the barrier that follows its last read.
-  template <class Pred>
-  __device__ unsigned count(const topk_key (&keys)[E], Pred pred) {
+  template <class Key, class Pred>
+  __device__ unsigned count(Key key, Pred pred) {
     unsigned c = 0;
+    if constexpr (Key::kUnrolled) {
 #pragma unroll
-    for (int j = 0; j < E; ++j) c += pred(keys[j]) ? 1u : 0u;
+      for (int j = 0; j < E; ++j) c += pred(key(j)) ? 1u : 0u;
+    } else {
+#pragma unroll 1
+      for (int j = 0; j < E; ++j) c += pred(key(j)) ? 1u : 0u;
+    }
     c = __reduce_add_sync(kFullMask, c);
     unsigned* slot = storage_.counts[parity_];
     if ((threadIdx.x & 31) == 0) slot[threadIdx.x / 32] = c;
@@ -369,12 +514,40 @@ __device__ __forceinline__ int row_length(const std::int32_t* lengths, int row, 
   return lengths == nullptr ? n : max(0, min(lengths[row], n));
 }
 
+/// Writes one result slot. The value comes back from the key's score word
+/// (ordered_bits is invertible on numbers), except for the two words it
+/// does not invert: 0 (NaN, whose payload it dropped) and +0 (which may have
+/// been -0); those read the score again.
 __device__ __forceinline__ void write_result(topk_key key, const float* scores, std::int64_t row_stride, int row,
                                              int slot, int k, float* out_values, std::int32_t* out_indices) {
   const std::int32_t idx = key_index(key);
   const std::int64_t out = std::int64_t{row} * k + slot;
   out_indices[out] = idx;
-  out_values[out] = idx >= 0 ? scores[std::int64_t{row} * row_stride + idx] : -__int_as_float(0x7f800000);
+  const std::uint32_t w = hi_word(key);
+  float value;
+  if (idx < 0)
+    value = -__int_as_float(0x7f800000);
+  else if (w == 0u || w == 0x80000000u)
+    value = scores[std::int64_t{row} * row_stride + idx];
+  else
+    value = __uint_as_float((w & 0x80000000u) ? (w & 0x7FFFFFFFu) : ~w);
+  out_values[out] = value;
+}
+
+/// Loads x[j] = row[first + j * Stride] for the entries below len (the rest
+/// get `fill`) as predicated loads off one pointer with constant offsets, all
+/// issued before any is used.
+template <int E, int Stride>
+__device__ __forceinline__ void load_strided(float (&x)[E], const float* row, int first, int len, float fill) {
+  const float* p = row + first;
+  // Keep p as computed: otherwise the compiler rebuilds each address from
+  // the row's 64-bit offset (about eight instructions a load, not one).
+  asm("" : "+l"(p));
+#pragma unroll
+  for (int j = 0; j < E; ++j) x[j] = fill;
+#pragma unroll
+  for (int j = 0; j < E; ++j)
+    if (first + j * Stride < len) x[j] = __ldcs(p + j * Stride);
 }
 
 /// One warp per row: rows of up to 32 * E scores, k <= 32.
@@ -389,20 +562,28 @@ __global__ void __launch_bounds__(kTopkThreads) warp_topk_kernel(const float* sc
   if (row >= rows) return;  // whole warps leave; the warp primitive has no block barrier
   const int len = row_length(lengths, row, n);
   const float* in = scores + std::int64_t{row} * row_stride;
+  float x[E];
+  load_strided<E, 32>(x, in, lane, len, 0.0f);
   topk_key keys[E];
 #pragma unroll
   for (int j = 0; j < E; ++j) {
     const int i = j * 32 + lane;
-    keys[j] = i < len ? make_key(__ldcs(in + i), i) : kNoCandidate;
+    keys[j] = i < len ? make_key(x[j], i) : kNoCandidate;
   }
   const topk_key key = warp_topk<E>(storage[warp]).select(keys, k);
   if (lane < k) write_result(key, scores, row_stride, row, lane, k, out_values, out_indices);
 }
 
+/// What a block_topk_kernel reads: keys from an earlier pass, or scores,
+/// with k <= block_topk::kFilterK (the float filter, its radix fallback
+/// reading shared memory) or larger (the radix select on register keys).
+/// Separate instantiations, so neither path pays the other's registers.
+enum class block_input { keys, scores_filtered, scores };
+
 /// One block per (row, chunk of 256 * E inputs). Inputs are scores (first
 /// pass) or keys from an earlier pass. With one chunk per row it writes the
 /// final result; otherwise each chunk's k best keys go to `keys_out`.
-template <int E, bool FromScores>
+template <int E, block_input In>
 __global__ void __launch_bounds__(kTopkThreads) block_topk_kernel(
     const float* scores, std::int64_t row_stride, const std::int32_t* lengths, int n, const topk_key* keys_in,
     int keys_per_row, int chunks, int k, topk_key* keys_out, float* out_values, std::int32_t* out_indices) {
@@ -411,24 +592,33 @@ __global__ void __launch_bounds__(kTopkThreads) block_topk_kernel(
   extern __shared__ topk_key sorted[];
   const int row = blockIdx.x / chunks, chunk = blockIdx.x % chunks;
   const int span = kTopkThreads * E;
-  topk_key keys[E];
-  if constexpr (FromScores) {
+  if constexpr (In != block_input::keys) {
     const int len = row_length(lengths, row, n);
     const float* in = scores + std::int64_t{row} * row_stride;
+    const int first = chunk * span + static_cast<int>(threadIdx.x);
+    float x[E];  // NaN past len: it fails every >= of select_scores' filter
+    load_strided<E, kTopkThreads>(x, in, first, len, __int_as_float(0x7FFFFFFF));
+    if constexpr (In == block_input::scores_filtered) {
+      block(storage).select_scores(x, chunk * span, len, k, sorted);
+    } else {
+      topk_key keys[E];
 #pragma unroll
-    for (int j = 0; j < E; ++j) {
-      const int i = chunk * span + j * kTopkThreads + static_cast<int>(threadIdx.x);
-      keys[j] = i < len ? make_key(__ldcs(in + i), i) : kNoCandidate;
+      for (int j = 0; j < E; ++j) {
+        const int i = first + j * kTopkThreads;
+        keys[j] = i < len ? make_key(x[j], i) : kNoCandidate;
+      }
+      block(storage).select(keys, k, sorted);
     }
   } else {
     const topk_key* in = keys_in + std::int64_t{row} * keys_per_row;
+    topk_key keys[E];
 #pragma unroll
     for (int j = 0; j < E; ++j) {
       const int i = chunk * span + j * kTopkThreads + static_cast<int>(threadIdx.x);
       keys[j] = i < keys_per_row ? in[i] : kNoCandidate;
     }
+    block(storage).select(keys, k, sorted);
   }
-  block(storage).select(keys, k, sorted);
   if (chunks == 1) {
     for (int i = threadIdx.x; i < k; i += kTopkThreads)
       write_result(sorted[i], scores, row_stride, row, i, k, out_values, out_indices);
@@ -475,10 +665,19 @@ struct launch_block {
     static status run(const float* scores, std::int64_t stride, const std::int32_t* lengths, int n,
                       const topk_key* keys_in, int keys_per_row, int rows, int chunks, int k, topk_key* keys_out,
                       float* values, std::int32_t* indices, cudaStream_t stream) {
-      const std::size_t smem = sizeof(topk_key) * block_topk<kTopkThreads, E>::sort_capacity(k);
-      block_topk_kernel<E, FromScores><<<static_cast<unsigned>(std::int64_t{rows} * chunks), kTopkThreads, smem,
-                                         stream>>>(scores, stride, lengths, n, keys_in, keys_per_row, chunks, k,
-                                                   keys_out, values, indices);
+      using block = block_topk<kTopkThreads, E>;
+      const auto grid = static_cast<unsigned>(std::int64_t{rows} * chunks);
+      const std::size_t keys = sizeof(topk_key) * block::sort_capacity(k);
+      if (!FromScores)
+        block_topk_kernel<E, block_input::keys><<<grid, kTopkThreads, keys, stream>>>(
+            scores, stride, lengths, n, keys_in, keys_per_row, chunks, k, keys_out, values, indices);
+      else if (k <= block::kFilterK)
+        block_topk_kernel<E, block_input::scores_filtered>
+            <<<grid, kTopkThreads, sizeof(topk_key) * block::scores_capacity(k), stream>>>(
+                scores, stride, lengths, n, keys_in, keys_per_row, chunks, k, keys_out, values, indices);
+      else
+        block_topk_kernel<E, block_input::scores><<<grid, kTopkThreads, keys, stream>>>(
+            scores, stride, lengths, n, keys_in, keys_per_row, chunks, k, keys_out, values, indices);
       HISPARSE_CUDA_TRY(cudaGetLastError());
       return status::success;
     }
