@@ -125,9 +125,9 @@ __device__ __forceinline__ void sort_descending(topk_key (&v)[E]) {
 /// round reads the key after the head, so one past the end). Round r names
 /// the largest head (score word by `redux.sync` max, then the index word
 /// among the tied lanes; real keys are distinct, so one lane owns it), and
-/// its owner writes it to out[r] (shared) and moves down its column. Rounds
-/// past the real candidates have no owner and write nothing, so the caller
-/// fills out[] with kNoCandidate first where that can happen.
+/// its owner writes it to out[r] (shared) and moves down its column. The
+/// warp must hold at least k real keys (not kNoCandidate): a round with only
+/// padding left would have every lane own it.
 __device__ __forceinline__ void extract_top(topk_key head, const topk_key* next, int k, topk_key* out) {
 #pragma unroll 4
   for (int r = 0; r < k; ++r) {
@@ -135,7 +135,7 @@ __device__ __forceinline__ void extract_top(topk_key head, const topk_key* next,
     const std::uint32_t hi = hi_word(head), lo = lo_word(head);
     const std::uint32_t top_hi = __reduce_max_sync(kFullMask, hi);
     const std::uint32_t top_lo = __reduce_max_sync(kFullMask, hi == top_hi ? lo : 0u);
-    const bool owner = hi == top_hi && lo == top_lo && top_lo != 0u;
+    const bool owner = hi == top_hi && lo == top_lo;
     if (owner) out[r] = head;
     head = owner ? after : head;
     next += owner ? 32 : 0;
@@ -169,6 +169,15 @@ class warp_topk {
   /// Returns, in lane i < k, the i-th largest key of the warp (descending);
   /// kNoCandidate in lanes past k or past the number of real candidates.
   __device__ topk_key select(const topk_key (&keys)[E], int k) {
+    unsigned real = 0;
+#pragma unroll
+    for (int j = 0; j < E; ++j) real += keys[j] != kNoCandidate ? 1u : 0u;
+    return select(keys, k, static_cast<int>(__reduce_add_sync(kFullMask, real)));
+  }
+
+  /// The same, told how many of the warp's keys are real (not kNoCandidate):
+  /// `real` must be exact, as the rounds past it are skipped.
+  __device__ topk_key select(const topk_key (&keys)[E], int k, int real) {
     const int lane = threadIdx.x & 31;
     topk_key v[E];
 #pragma unroll
@@ -180,7 +189,7 @@ class warp_topk {
     storage_.column[E + 1][lane] = kNoCandidate;  // read (never taken) by every round after the column runs out
     storage_.out[lane] = kNoCandidate;
     __syncwarp();  // out[] is written by whichever lane owns a round's key
-    detail::extract_top(v[0], &storage_.column[1][lane], k, storage_.out);
+    detail::extract_top(v[0], &storage_.column[1][lane], min(k, real), storage_.out);
     __syncwarp();
     const topk_key mine = storage_.out[lane];
     __syncwarp();
@@ -565,12 +574,17 @@ __global__ void __launch_bounds__(kTopkThreads) warp_topk_kernel(const float* sc
   float x[E];
   load_strided<E, 32>(x, in, lane, len, 0.0f);
   topk_key keys[E];
+  if (len >= 32 * E) {  // uniform; full rows need no mask
 #pragma unroll
-  for (int j = 0; j < E; ++j) {
-    const int i = j * 32 + lane;
-    keys[j] = i < len ? make_key(x[j], i) : kNoCandidate;
+    for (int j = 0; j < E; ++j) keys[j] = make_key(x[j], j * 32 + lane);
+  } else {
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const int i = j * 32 + lane;
+      keys[j] = i < len ? make_key(x[j], i) : kNoCandidate;
+    }
   }
-  const topk_key key = warp_topk<E>(storage[warp]).select(keys, k);
+  const topk_key key = warp_topk<E>(storage[warp]).select(keys, k, min(len, 32 * E));
   if (lane < k) write_result(key, scores, row_stride, row, lane, k, out_values, out_indices);
 }
 
@@ -583,8 +597,12 @@ enum class block_input { keys, scores_filtered, scores };
 /// One block per (row, chunk of 256 * E inputs). Inputs are scores (first
 /// pass) or keys from an earlier pass. With one chunk per row it writes the
 /// final result; otherwise each chunk's k best keys go to `keys_out`.
+// The filtered kernel at E = 16 is held to 40 registers (6 CTAs an SM, not
+// 5 at its natural 48): 3-4% faster on the H200. At E <= 8 that bound would
+// lift 32 registers to 40 (8 CTAs to 6) and cost 5%, so no bound there
+// (0 is "none", which 1 is not: ptxas schedules differently under it).
 template <int E, block_input In>
-__global__ void __launch_bounds__(kTopkThreads) block_topk_kernel(
+__global__ void __launch_bounds__(kTopkThreads, In == block_input::scores_filtered && E == 16 ? 6 : 0) block_topk_kernel(
     const float* scores, std::int64_t row_stride, const std::int32_t* lengths, int n, const topk_key* keys_in,
     int keys_per_row, int chunks, int k, topk_key* keys_out, float* out_values, std::int32_t* out_indices) {
   using block = block_topk<kTopkThreads, E>;
