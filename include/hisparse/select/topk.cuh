@@ -607,7 +607,7 @@ __global__ void __launch_bounds__(kTopkThreads, In == block_input::scores_filter
     int keys_per_row, int chunks, int k, topk_key* keys_out, float* out_values, std::int32_t* out_indices) {
   using block = block_topk<kTopkThreads, E>;
   __shared__ typename block::TempStorage storage;
-  extern __shared__ topk_key sorted[];
+  extern __shared__ __align__(16) topk_key sorted[];  // 16: the survivor ranking reads two keys a load
   const int row = blockIdx.x / chunks, chunk = blockIdx.x % chunks;
   const int span = kTopkThreads * E;
   if constexpr (In != block_input::keys) {
