@@ -26,20 +26,10 @@ using bf16 = __nv_bfloat16;
 constexpr int kQHeads = 32, kKvHeads = 8, kDim = 128;
 constexpr int kReplays = 20;
 
-template <class T>
-struct device_array {
-  T* ptr = nullptr;
-  explicit device_array(std::size_t n) { HISPARSE_CUDA_CHECK(cudaMalloc(&ptr, std::max<std::size_t>(n, 1) * sizeof(T))); }
-  explicit device_array(const std::vector<T>& h) : device_array(h.size()) {
-    HISPARSE_CUDA_CHECK(cudaMemcpy(ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  ~device_array() { cudaFree(ptr); }
-  device_array(const device_array&) = delete;
-  device_array& operator=(const device_array&) = delete;
-};
+using bench::device_array;
 
-/// `batch` sequences of `context` random tokens in a paged cache (one random
-/// 16K-token chunk appended repeatedly: timing depends on sizes, not values).
+/// `batch` sequences of `context` random tokens in a paged cache, filled in
+/// 16K-token chunks of fresh device-drawn normal samples.
 struct decode_fixture {
   mr::device_pool_resource device;
   kv::paged_kv_cache<bf16, mr::device_pool_resource> cache;

@@ -1,6 +1,7 @@
 #pragma once
-// Helpers shared by the GPU benchmarks: CUDA-event timing and the median.
-// (Benchmarks, unlike the library, may allocate with cudaMalloc directly.)
+// Helpers shared by the GPU benchmarks: CUDA-event timing, the median, an
+// owning device array and a device-side normal fill. (Benchmarks, unlike the
+// library, may allocate with cudaMalloc directly.)
 
 #include <algorithm>
 #include <cstddef>
@@ -46,6 +47,22 @@ inline double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
 }
+
+/// An owning device allocation of n elements (at least one, so a zero-size
+/// request still gets a valid pointer), optionally filled from the host.
+template <class T>
+struct device_array {
+  T* ptr = nullptr;
+  explicit device_array(std::size_t n) {
+    HISPARSE_CUDA_CHECK(cudaMalloc(&ptr, std::max<std::size_t>(n, 1) * sizeof(T)));
+  }
+  explicit device_array(const std::vector<T>& h) : device_array(h.size()) {
+    HISPARSE_CUDA_CHECK(cudaMemcpy(ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  ~device_array() { cudaFree(ptr); }
+  device_array(const device_array&) = delete;
+  device_array& operator=(const device_array&) = delete;
+};
 
 #ifdef __CUDACC__
 /// x[i] = a standard normal sample drawn from (seed, i): a splitmix64 hash

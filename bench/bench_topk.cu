@@ -22,23 +22,12 @@
 
 namespace {
 
+using hisparse::bench::device_array;
 using hisparse::bench::event_timer;
 using hisparse::bench::median;
 
 using namespace hisparse;
 constexpr double kHbmBytesPerSecond = 4.8e12;
-
-/// Device memory owned by a benchmark (benchmarks may cudaMalloc).
-template <class T>
-struct device_array {
-  T* ptr = nullptr;
-  explicit device_array(std::size_t n) {
-    HISPARSE_CUDA_CHECK(cudaMalloc(&ptr, std::max<std::size_t>(n, 1) * sizeof(T)));
-  }
-  ~device_array() { cudaFree(ptr); }
-  device_array(const device_array&) = delete;
-  device_array& operator=(const device_array&) = delete;
-};
 
 /// The inputs of one (rows, n): `copies` identical copies of the scores and
 /// of the column indices 0..n-1 of every row (CUB's sort values), and the
