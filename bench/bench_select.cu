@@ -21,13 +21,7 @@ using namespace hisparse;
 using bf16 = __nv_bfloat16;
 constexpr int kQHeads = 32, kKvHeads = 8, kDim = 128;
 
-template <class T>
-T* device_copy(const std::vector<T>& h) {
-  T* p = nullptr;
-  HISPARSE_CUDA_CHECK(cudaMalloc(&p, h.size() * sizeof(T)));
-  HISPARSE_CUDA_CHECK(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return p;
-}
+using bench::device_array;
 
 using cache_type = kv::paged_kv_cache<bf16, mr::device_pool_resource>;
 
@@ -48,8 +42,7 @@ kv::paged_kv_cache_options cache_options(int batch, std::int32_t context) {
 std::vector<std::int32_t> fill_cache(cache_type& cache, int batch, std::int32_t context, workload::splitmix64& rng) {
   constexpr std::int32_t kChunk = 16384;
   const std::size_t chunk_elems = static_cast<std::size_t>(kChunk) * kKvHeads * kDim;
-  bf16* chunk = nullptr;
-  HISPARSE_CUDA_CHECK(cudaMalloc(&chunk, chunk_elems * sizeof(bf16)));
+  device_array<bf16> chunk(chunk_elems);
   std::vector<std::int32_t> slots(static_cast<std::size_t>(batch));
   for (auto& s : slots) {
     int slot = 0;
@@ -57,12 +50,12 @@ std::vector<std::int32_t> fill_cache(cache_type& cache, int batch, std::int32_t 
     s = slot;
     for (std::int32_t done = 0; done < context; done += kChunk) {
       const std::int32_t n = std::min(kChunk, context - done);
-      bench::fill_normal(chunk, chunk_elems, rng.next());
-      throw_if_error(cache.append_async(0, std::vector<kv::append_segment>{{slot, 0, n}}, chunk, chunk, nullptr));
+      bench::fill_normal(chunk.ptr, chunk_elems, rng.next());
+      throw_if_error(
+          cache.append_async(0, std::vector<kv::append_segment>{{slot, 0, n}}, chunk.ptr, chunk.ptr, nullptr));
     }
   }
   HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
-  cudaFree(chunk);
   return slots;
 }
 
@@ -76,19 +69,18 @@ void BM_decode_selection(benchmark::State& state) {
   const auto slots = fill_cache(cache, batch, context, rng);
   std::vector<bf16> q(static_cast<std::size_t>(batch) * kQHeads * kDim);
   for (auto& x : q) x = from_float<bf16>(static_cast<float>(rng.normal()));
-  bf16* d_q = device_copy(q);
-  std::int32_t* d_slots = device_copy(slots);
-  std::int32_t *kept = nullptr, *num = nullptr, *window = nullptr;
-  HISPARSE_CUDA_CHECK(cudaMalloc(&kept, sizeof(std::int32_t) * batch * kKvHeads * cfg.top_k_fine));
-  HISPARSE_CUDA_CHECK(cudaMalloc(&num, sizeof(std::int32_t) * batch * kKvHeads));
-  HISPARSE_CUDA_CHECK(cudaMalloc(&window, sizeof(std::int32_t) * batch));
+  const device_array<bf16> d_q(q);
+  const device_array<std::int32_t> d_slots(slots);
+  device_array<std::int32_t> kept(static_cast<std::size_t>(batch) * kKvHeads * cfg.top_k_fine);
+  device_array<std::int32_t> num(static_cast<std::size_t>(batch) * kKvHeads);
+  device_array<std::int32_t> window(static_cast<std::size_t>(batch));
   select::decode_selection_arguments<bf16> a;
-  a.queries = d_q;
-  a.slots = d_slots;
+  a.queries = d_q.ptr;
+  a.slots = d_slots.ptr;
   a.batch = batch;
   a.num_q_heads = kQHeads;
   a.set_cache(cache.ref());
-  const select::decode_selection_output out{kept, num, window};
+  const select::decode_selection_output out{kept.ptr, num.ptr, window.ptr};
 
   cudaStream_t stream = nullptr;
   HISPARSE_CUDA_CHECK(cudaStreamCreate(&stream));
@@ -137,11 +129,6 @@ void BM_decode_selection(benchmark::State& state) {
   HISPARSE_CUDA_CHECK(cudaEventDestroy(start));
   HISPARSE_CUDA_CHECK(cudaEventDestroy(stop));
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
-  cudaFree(d_q);
-  cudaFree(d_slots);
-  cudaFree(kept);
-  cudaFree(num);
-  cudaFree(window);
 }
 
 /// Prefill selection of a whole prompt of T tokens (every position a query,
@@ -158,24 +145,23 @@ void BM_prefill_selection(benchmark::State& state) {
   const auto slots = fill_cache(cache, 1, context, rng);
   std::vector<bf16> q(static_cast<std::size_t>(context) * kQHeads * kDim);
   for (auto& x : q) x = from_float<bf16>(static_cast<float>(rng.normal()));
-  bf16* d_q = device_copy(q);
+  const device_array<bf16> d_q(q);
   const std::int32_t tiles = select::prefill_tiles(0, context, cfg.query_tile);
   const std::vector<select::prefill_segment> segs{{slots[0], 0, context, 0, 0}};
-  select::prefill_segment* d_segs = device_copy(segs);
-  std::int32_t *kept = nullptr, *num = nullptr, *window = nullptr;
-  HISPARSE_CUDA_CHECK(cudaMalloc(&kept, sizeof(std::int32_t) * tiles * kKvHeads * cfg.top_k_fine));
-  HISPARSE_CUDA_CHECK(cudaMalloc(&num, sizeof(std::int32_t) * tiles * kKvHeads));
-  HISPARSE_CUDA_CHECK(cudaMalloc(&window, sizeof(std::int32_t) * tiles));
+  const device_array<select::prefill_segment> d_segs(segs);
+  device_array<std::int32_t> kept(static_cast<std::size_t>(tiles) * kKvHeads * cfg.top_k_fine);
+  device_array<std::int32_t> num(static_cast<std::size_t>(tiles) * kKvHeads);
+  device_array<std::int32_t> window(static_cast<std::size_t>(tiles));
   select::prefill_selection_arguments<bf16> a;
-  a.queries = d_q;
-  a.segments = d_segs;
+  a.queries = d_q.ptr;
+  a.segments = d_segs.ptr;
   a.num_segments = 1;
   a.num_tiles = tiles;
   a.num_q_heads = kQHeads;
   a.set_cache(cache.ref());
   a.use_tensor_cores = tensor_cores;
   a.max_ring_stages = stages;
-  const select::prefill_selection_output out{kept, num, window};
+  const select::prefill_selection_output out{kept.ptr, num.ptr, window.ptr};
   cudaEvent_t start, stop;
   HISPARSE_CUDA_CHECK(cudaEventCreate(&start));
   HISPARSE_CUDA_CHECK(cudaEventCreate(&stop));
@@ -207,11 +193,6 @@ void BM_prefill_selection(benchmark::State& state) {
   state.counters["TFLOPs"] = 2 * fma / t[t.size() / 2] * 1e-12;
   HISPARSE_CUDA_CHECK(cudaEventDestroy(start));
   HISPARSE_CUDA_CHECK(cudaEventDestroy(stop));
-  cudaFree(d_q);
-  cudaFree(d_segs);
-  cudaFree(kept);
-  cudaFree(num);
-  cudaFree(window);
 }
 
 }  // namespace
