@@ -209,6 +209,33 @@ TEST_CASE("wide top-k: the threshold filter up to k = 128, block_topk beyond", "
   }
 }
 
+TEST_CASE("decode selection with hundreds of blocks, and a partial block of many slices", "[gpu][select]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  mr::device_pool_resource device;
+  // C = 64: 312 and 936 blocks. The cluster kernel ranks them by counting
+  // across its CTAs (up to 1024); the single-CTA kernel by counting up to
+  // 256 and by the threshold filter beyond. Its 128 fine candidates make
+  // fewer than 2k batch groups there, so its fine stage takes the filter.
+  const SparseAttentionConfig many{64, 64, 16, 32, 16, 1};
+  {
+    const problem p = make_problem({8, 2, 128}, many, {20000, 60000}, seed);
+    kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, cache_options(p, 60000));
+    check_problem_on_gpu(p, cache);
+  }
+  {  // a cache of more than 1024 blocks takes the wide kernel: counting up to 1024, block_topk beyond
+    const problem p = make_problem({8, 2, 128}, many, {900, 60000, 70000}, seed + 1);
+    kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, cache_options(p, 70000));
+    check_problem_on_gpu(p, cache);
+  }
+  {  // head_dim 256: the block holding ws has 14 far slices, more than the 8 staged in shared memory
+    const problem p = make_problem({8, 2, 256}, SparseAttentionConfig{}, {5000, 97 * 1024 + 512 + 900}, seed + 2);
+    kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, cache_options(p, 97 * 1024 + 512 + 900));
+    check_problem_on_gpu(p, cache);
+  }
+}
+
 TEST_CASE("decode selection replays from a CUDA graph with new inputs", "[gpu][select]") {
   HISPARSE_REQUIRE_GPU();
   const std::uint64_t seed = test::fresh_seed();

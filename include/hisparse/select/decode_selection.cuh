@@ -108,6 +108,9 @@ inline constexpr int kFilterMaxK = kSelectThreads / 2;
 /// wave; clusters of eight at two CTAs per SM measured 1.94 waves (Nsight
 /// Compute: 30 active clusters, 102 registers per thread).
 inline constexpr int kSelectCluster = 4;
+/// Blocks ranked by counting (count_top_k): one per thread of a cluster;
+/// more take mark_top_k.
+inline constexpr int kCountMax = kSelectThreads * kSelectCluster;
 /// CTAs per SM the kernel is compiled for (80 registers per thread, no
 /// spills; at four, 64 registers, sm_90 spills up to 24 bytes per thread in
 /// the narrow kernel and 48 in the wide one).
@@ -121,6 +124,7 @@ struct selection_smem {
   int fine_scores = 0;    ///< float[top_k_coarse * C / F]
   int keep = 0;           ///< uint8[max(max_blocks, fine candidates)]
   int kept_blocks = 0;    ///< int32[top_k_coarse]
+  int partial = -1;       ///< float[kPartialBytes / 4]: the partial block's far slices (decode only)
   int bytes = 0;
 };
 
@@ -292,19 +296,24 @@ struct row_batch {
 
   /// Sends the batch's lines towards L2 (one per lane), holding no register:
   /// the load that follows pays an L2 hit instead of the trip to HBM.
-  template <class Row>
-  __device__ __forceinline__ static void prefetch(int base, int count, Row row) {
+  /// `row_of_slot(u)` points at row base + u * kStride; every lane calls it
+  /// (it may shuffle), for its own slot lane / kLines.
+  template <class RowOfSlot>
+  __device__ __forceinline__ static void prefetch(int base, int count, RowOfSlot row_of_slot) {
     const int lane = threadIdx.x & 31;
-    const int r = base + lane / kLines * kStride;
-    if (r < count) ptx::prefetch_l2(row(r) + lane % kLines * 32);
+    const float* p = row_of_slot(lane / kLines);
+    if (base + lane / kLines * kStride < count) ptx::prefetch_l2(p + lane % kLines * 32);
   }
 
-  template <class Row>
-  __device__ __forceinline__ void load(int base, int count, Row row) {
+  /// Loads rows base + u * kStride (< count); `row_of_slot(u)` points at
+  /// the u-th. The condition is uniform across the warp, so row_of_slot may
+  /// shuffle.
+  template <class RowOfSlot>
+  __device__ __forceinline__ void load(int base, int count, RowOfSlot row_of_slot) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int u = 0; u < kRows; ++u)
-      if (base + u * kStride < count) load_lane<kPer>(row(base + u * kStride) + lane * kPer, v[u]);
+      if (base + u * kStride < count) load_lane<kPer>(row_of_slot(u) + lane * kPer, v[u]);
   }
 
   /// Dots every row with qsum's lane part q, sums over the warp and calls
@@ -324,37 +333,95 @@ struct row_batch {
 
 /// Scores candidate rows [0, count) with one warp per row; the cluster's
 /// S * kSelectWarps warps split the rows, and `store(r, score)` runs in one
-/// lane per row. `row(r)` points at row r's key sum; the rows are dotted
-/// with qsum and scaled by `scale` (1 / tokens). Each batch's successor is
-/// prefetched into L2 while the batch is loaded, so their trips overlap.
-template <int D, int S, class Row, class Store>
-__device__ __forceinline__ void score_rows(int count, const float* qsum, Row row, float scale, Store store) {
+/// lane per row (a lane stores at most one row per batch). Row r's key sum is
+/// at row(index(r)): index (a slice number, say, that costs a division) is
+/// evaluated once per lane for the batch -- lane u for row u -- and handed
+/// to the loads by shuffle, not once per row in every lane. The rows are
+/// dotted with qsum and scaled by `scale` (1 / tokens). Each batch's
+/// successor is prefetched into L2 while the batch is loaded, so their trips
+/// overlap. `batch_end(j)` runs in every lane after batch j of this warp, for
+/// each of the ceil(count / step) batches, empty ones included.
+template <int D, int S, class Index, class Row, class Store, class BatchEnd>
+__device__ __forceinline__ void score_rows(int count, const float* qsum, Index index, Row row, float scale,
+                                           Store store, BatchEnd batch_end) {
   using batch_t = row_batch<D, S>;
   constexpr int kStep = batch_t::kStride * batch_t::kRows;
+  const int lane = threadIdx.x & 31;
   float q[batch_t::kPer];
   load_q(qsum, q);
-  for (int base = cluster_warp<S>(); base < count; base += kStep) {
-    batch_t batch;
-    batch.load(base, count, row);
-    batch_t::prefetch(base + kStep, count, row);
-    batch.score(base, count, q, scale, store);
+  // Lane u's index of row u of a batch starting at `base` (0 past count).
+  auto slot_index = [&](int base) {
+    const int r = base + lane * batch_t::kStride;
+    return lane < batch_t::kRows && r < count ? index(r) : 0;
+  };
+  const int batches = (count + kStep - 1) / kStep;
+  int next = slot_index(cluster_warp<S>());
+  for (int j = 0; j < batches; ++j) {
+    const int base = cluster_warp<S>() + j * kStep;
+    if (base < count) {  // uniform across the warp
+      const int mine = next;
+      next = slot_index(base + kStep);
+      batch_t::prefetch(base + kStep, count, [&](int u) { return row(__shfl_sync(kFullMask, next, u)); });
+      batch_t batch;
+      batch.load(base, count, [&](int u) { return row(__shfl_sync(kFullMask, mine, u)); });
+      batch.score(base, count, q, scale, store);
+    }
+    batch_end(j);
   }
+}
+
+/// Rows of the partial block staged in shared memory by cp.async (8 KB).
+inline constexpr int kPartialBytes = 8192;
+template <int D>
+inline constexpr int kPartialRows = kPartialBytes / (D * 4);
+
+/// Starts copying the first min(n, kPartialRows) of the n rows at rows + j *
+/// stride into `staged` (the calling warp's lanes split the 16-byte chunks)
+/// and prefetches the rest into L2; score_summed_row waits for them.
+template <int D>
+__device__ void stage_summed_row(float* staged, const float* rows, std::int64_t stride, int n) {
+  constexpr int kChunks = D / 4;
+  constexpr int kLines = D * 4 / 128;
+  const int lane = threadIdx.x & 31;
+  const int in_smem = min(n, kPartialRows<D>);
+  const unsigned dst = ptx::smem_address(staged);
+  for (int i = lane; i < in_smem * kChunks; i += 32)
+    ptx::cp_async_16(dst + i * 16, rows + (i / kChunks) * stride + i % kChunks * 4, 16);
+  ptx::cp_async_commit();
+  for (int l = lane; l < (n - in_smem) * kLines; l += 32)
+    ptx::prefetch_l2(rows + (in_smem + l / kLines) * stride + l % kLines * 32);
 }
 
 /// Scores, on the calling warp, a row whose key sum is the sum of the n
 /// rows at rows + j * stride, added in order j = 0..n-1 (the partial block:
-/// its far slices' sums); kRowsInFlight rows' loads in flight at a time.
-/// `store(score)` runs in lane 0.
+/// its far slices' sums): the first kPartialRows from `staged` (after
+/// stage_summed_row), the rest from global memory, kRowsInFlight rows'
+/// loads in flight at a time. `store(score)` runs in lane 0.
 template <int D, class Store>
-__device__ void score_summed_row(const float* rows, std::int64_t stride, int n, const float* qsum, float scale,
-                                 Store store) {
+__device__ void score_summed_row(const float* staged, const float* rows, std::int64_t stride, int n,
+                                 const float* qsum, float scale, Store store) {
   constexpr int kPer = D / 32;
   constexpr int kRowsInFlight = 32 / kPer;
   const int lane = threadIdx.x & 31;
   float v[kPer];
 #pragma unroll
   for (int i = 0; i < kPer; ++i) v[i] = 0.0f;
-  for (int j0 = 0; j0 < n; j0 += kRowsInFlight) {
+  const int in_smem = min(n, kPartialRows<D>);
+  ptx::cp_async_wait<0>();
+  __syncwarp();  // every lane's chunks are in
+  for (int j = 0; j < in_smem; ++j) {
+    if constexpr (kPer == 2) {
+      const float2 x = *reinterpret_cast<const float2*>(staged + j * D + lane * kPer);
+      v[0] += x.x, v[1] += x.y;
+    } else {
+#pragma unroll
+      for (int i = 0; i < kPer; i += 4) {
+        const float4 x = *reinterpret_cast<const float4*>(staged + j * D + lane * kPer + i);
+        v[i] += x.x, v[i + 1] += x.y, v[i + 2] += x.z, v[i + 3] += x.w;
+      }
+    }
+  }
+  for (int j0 = in_smem; j0 < n; j0 += kRowsInFlight) {
     float w[kRowsInFlight][kPer];
 #pragma unroll
     for (int j = 0; j < kRowsInFlight; ++j)
@@ -379,9 +446,10 @@ __device__ __forceinline__ void broadcast(float* scores, int r, float s) {
 }
 
 struct filter_storage {
-  topk_key group_max[2 * kFilterMaxK];
+  topk_key group_max[2 * kFilterMaxK];  ///< mark_top_k's group maxima; top_k_of_groups' kept keys
   topk_key threshold;
   unsigned fill;
+  unsigned kept_fill;
 };
 
 using select_scan = cub::BlockScan<int, kSelectThreads>;
@@ -531,11 +599,134 @@ __device__ int compact_marked(const unsigned char* keep, int count, select_scan:
   return total;
 }
 
+/// Top-k of scores[0, count) (ties to the lower index) by counting, split
+/// over the cluster: every CTA builds the keys (in `keys`, padded with
+/// kNoCandidate to an even length for 16-byte pair loads); CTA r ranks
+/// candidates [r per, (r + 1) per) (per = ceil(count / S) <= the CTA's
+/// threads), each against all `count` keys (2^log2_lanes_per_item threads
+/// per candidate split the comparisons), in one pass: rank < k keeps. A
+/// kept candidate sets its bit in `mask` (one bit per candidate, zeroed
+/// before the cluster barrier that published the scores) in every CTA of
+/// the cluster; after a cluster barrier every CTA turns the mask into the
+/// ascending list, emit(position, candidate) (position = kept candidates
+/// below it: a popcount prefix over the mask words). Returns the number
+/// kept (min(count, k)). Two cluster-wide steps and no serial rounds,
+/// against mark_top_k's four passes and a compaction in every CTA.
+/// count <= 32 * 32 (the mask).
+template <int S, class Emit>
+__device__ int count_top_k(const float* scores, topk_key* keys, int count, int k, unsigned* mask, Emit emit) {
+  using cluster = cluster_ops<S>;
+  const int t = static_cast<int>(threadIdx.x), lane = t & 31;
+  for (int i = t; i < count + (count & 1); i += kSelectThreads) keys[i] = i < count ? make_key(scores[i], i) : kNoCandidate;
+  __syncthreads();
+  {
+    const int per = (count + S - 1) / S;
+    const int first = static_cast<int>(cluster::rank()) * per, last = min(count, first + per);
+    const int lp = log2_lanes_per_item(per), lanes = 1 << lp;
+    const int c = first + (t >> lp), sub = t & (lanes - 1);
+    const topk_key mine = c < last ? keys[c] : kNoCandidate;
+    int above = 0;
+    if (c < last) {
+      const auto* pairs = reinterpret_cast<const ulonglong2*>(keys);
+      for (int j = sub; j < (count + 1) / 2; j += lanes) {
+        const ulonglong2 x = pairs[j];
+        above += (x.x > mine ? 1 : 0) + (x.y > mine ? 1 : 0);
+      }
+    }
+    above = item_sum(above, lanes);
+    if (c < last && sub == 0 && above < k)
+      for (unsigned r = 0; r < S; ++r) atomicOr(cluster::peer(mask, r) + c / 32, 1u << (c % 32));
+  }
+  cluster::sync();
+  // The mask's words (at most 32): lane w counts word w; an inclusive scan
+  // over the lanes gives each word's offset. Every warp does it (no barrier).
+  const int words = (count + 31) / 32;
+  const unsigned bits = lane < words ? mask[lane] : 0u;
+  int inclusive = __popc(bits);
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int y = __shfl_up_sync(kFullMask, inclusive, off);
+    if (lane >= off) inclusive += y;
+  }
+  const int exclusive = inclusive - __popc(bits);
+  for (int w = t / 32; w < words; w += kSelectWarps) {  // uniform across the warp
+    const unsigned m = mask[w];
+    const int offset = __shfl_sync(kFullMask, exclusive, w);
+    if ((m >> lane) & 1u) emit(offset + __popc(m & ((1u << lane) - 1u)), w * 32 + lane);
+  }
+  __syncthreads();
+  return __shfl_sync(kFullMask, inclusive, 31);
+}
+
+/// Top-k of scores[0, count) (candidate ids 0..count-1, ties to the lower
+/// id) given the maxima of ng groups that partition the candidates (any
+/// partition: the scoring warps' batches), k < count <= kFilterMaxCandidates,
+/// k <= kFilterMaxK, k <= ng <= kSelectThreads. The k-th largest group
+/// maximum is the threshold (k groups reach it, so the k-th largest key
+/// does); the survivors above it are appended to `keys` and ranked against
+/// each other; the k kept go to a short list whose entries find their
+/// position in candidate order by counting. emit(position, candidate), in
+/// any order. Three barriers; mark_top_k + compact_marked take six.
+template <class Emit>
+__device__ void top_k_of_groups(const float* scores, int count, int k, const topk_key* group_max, int ng,
+                                topk_key* keys, filter_storage& fs, Emit emit) {
+  const int t = static_cast<int>(threadIdx.x);
+  {  // the k-th largest maximum: fewer than k above it, at least k at or above it (empty groups are 0)
+    const int lp = log2_lanes_per_item(ng), lanes = 1 << lp;
+    const int g = t >> lp, sub = t & (lanes - 1);
+    const topk_key mine = g < ng ? group_max[g] : kNoCandidate;
+    int above = 0, equal = 0;
+    if (g < ng)
+      for (int u = sub; u < ng; u += lanes) {
+        const topk_key x = group_max[u];
+        above += x > mine ? 1 : 0;
+        equal += x == mine ? 1 : 0;
+      }
+    above = item_sum(above, lanes);
+    equal = item_sum(equal, lanes);
+    if (g < ng && sub == 0 && above < k && above + equal >= k) fs.threshold = mine;  // one value
+    if (t == 0) fs.fill = fs.kept_fill = 0;
+  }
+  __syncthreads();
+  const topk_key threshold = fs.threshold;
+  for (int i0 = 0; i0 < count; i0 += kSelectThreads) {  // the same trip count in every warp
+    const int i = i0 + t;
+    const topk_key key = i < count ? make_key(scores[i], i) : kNoCandidate;
+    const bool take = i < count && key >= threshold;
+    const unsigned pos = warp_append(take, &fs.fill);
+    if (take) keys[pos] = key;
+  }
+  __syncthreads();
+  const int survivors = static_cast<int>(fs.fill);  // >= k
+  topk_key* kept = fs.group_max;                     // k <= kFilterMaxK entries
+  const int lq = log2_lanes_per_item(survivors), q = 1 << lq;
+  for (int s0 = 0; s0 < survivors; s0 += kSelectThreads >> lq) {  // uniform trip count
+    const int s = s0 + (t >> lq), part = t & (q - 1);
+    const topk_key mine = s < survivors ? keys[s] : kNoCandidate;
+    int above = 0;
+    if (s < survivors)
+      for (int u = part; u < survivors; u += q) above += keys[u] > mine ? 1 : 0;
+    above = item_sum(above, q);
+    const bool take = s < survivors && part == 0 && above < k;
+    const unsigned pos = warp_append(take, &fs.kept_fill);
+    if (take) kept[pos] = mine;
+  }
+  __syncthreads();
+  for (int i = t; i < k; i += kSelectThreads) {  // lower index = larger low word
+    const topk_key mine = kept[i];
+    int below = 0;
+    for (int j = 0; j < k; ++j) below += static_cast<std::uint32_t>(kept[j]) > static_cast<std::uint32_t>(mine) ? 1 : 0;
+    emit(below, key_index(mine));
+  }
+}
+
 /// Grid: x = KV head * S (a cluster of S CTAs per head), y = batch row.
 /// The cluster's CTAs split the scoring of blocks and of fine candidates and
-/// broadcast every score into each other's shared memory, so each CTA holds
-/// all scores after a cluster barrier; all rank the blocks (identically), and
-/// CTA 0 ranks the slices and writes the outputs. Wide: the kernel that can
+/// broadcast every block score into each other's shared memory, so each CTA
+/// holds all of them after a cluster barrier; they split the block ranking
+/// (count_top_k: each ranks a share, the kept bits go to every CTA), and
+/// CTA 0 ranks the slices (from the group maxima the scoring warps hand it)
+/// and writes the outputs. Wide: the kernel that can
 /// rank more than kFilterMaxCandidates candidates or keep more than
 /// kFilterMaxK (block_topk); the narrow one ranks by the filter alone.
 template <class Q, int D, int S, bool Wide>
@@ -551,12 +742,17 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
 #endif
   __shared__ float qsum[D];
   __shared__ selection_temp<Wide> temp;
+  // count_top_k's kept-block bits (candidates <= kCountMax) and the fine
+  // stage's group maxima, which the other CTAs write into rank 0's.
+  __shared__ unsigned kept_mask[kCountMax / 32];
+  __shared__ topk_key fine_group_max[kSelectThreads];
   extern __shared__ __align__(16) unsigned char smem[];
   auto* keys = reinterpret_cast<topk_key*>(smem + p.smem.keys);
   auto* coarse_scores = reinterpret_cast<float*>(smem + p.smem.coarse_scores);
   auto* fine_scores = reinterpret_cast<float*>(smem + p.smem.fine_scores);
   auto* keep = smem + p.smem.keep;
   auto* kept_blocks = reinterpret_cast<std::int32_t*>(smem + p.smem.kept_blocks);
+  auto* staged = reinterpret_cast<float*>(smem + p.smem.partial);
 
   // Every CTA of the cluster must be running before any writes into its
   // shared memory: this CTA says so now, and waits for the others only
@@ -566,16 +762,17 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   const auto& in = p.in;
   const unsigned rank = cluster::rank();
   const int h = static_cast<int>(blockIdx.x) / S, b = blockIdx.y;
+  const int t = static_cast<int>(threadIdx.x);
   const int seq = in.slots[b];
   // Step 1's query sum (dimension threadIdx.x), loaded while the slot is on
   // its way, so the chain to the length is slot -> length, not three loads.
   static_assert(D <= kSelectThreads, "one query dimension per thread");
-  if (threadIdx.x < D) {
+  if (t < D) {
     const int group = in.num_q_heads / in.kv_heads;
-    const Q* q = in.queries + (std::int64_t{b} * in.num_q_heads + std::int64_t{h} * group) * D + threadIdx.x;
+    const Q* q = in.queries + (std::int64_t{b} * in.num_q_heads + std::int64_t{h} * group) * D + t;
     float acc = 0.0f;
     for (int g = 0; g < group; ++g) acc += to_float(q[std::int64_t{g} * D]);
-    qsum[threadIdx.x] = acc;
+    qsum[t] = acc;
   }
   const std::int64_t seq_layer = std::int64_t{seq} * in.layers + in.layer;
   const std::int32_t length = in.lengths[seq_layer];
@@ -585,7 +782,7 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   const std::int32_t ws = x <= 0 ? 0 : x / F * F;
   const std::int32_t far_slices = ws / F;
   const std::int32_t blocks = (ws + C - 1) / C;
-  if (rank == 0 && h == 0 && threadIdx.x == 0) p.out.window_begin[b] = ws;
+  if (rank == 0 && h == 0 && t == 0) p.out.window_begin[b] = ws;
 
   const std::int64_t head_stride = std::int64_t{in.kv_heads} * D;
   const float* slice_base = in.slice_sums + (seq_layer * in.max_slices * in.kv_heads + h) * D;
@@ -595,26 +792,31 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   // sums, on the warp next in line after the whole blocks.
   const std::int32_t whole = std::int64_t{blocks} * C > ws ? blocks - 1 : blocks;
   auto block_row = [&](int r) { return block_base + r * head_stride; };
-  // This warp's first batch of block sums, and the partial block's far
-  // slices (rows partial_row(j), j < far_slices - whole * spb), head for L2
-  // now, so their trips from HBM overlap the cluster barrier.
-  row_batch<D, S>::prefetch(cluster_warp<S>(), whole, block_row);
+  // This warp's first batch of block sums heads for L2 now, and the partial
+  // block's far slices for this CTA's shared memory, so their trips from
+  // HBM overlap the cluster barrier.
+  row_batch<D, S>::prefetch(cluster_warp<S>(), whole,
+                            [&](int u) { return block_row(cluster_warp<S>() + u * row_batch<D, S>::kStride); });
   const bool partial_warp = whole < blocks && cluster_warp<S>() == whole % (S * kSelectWarps);
-  auto partial_row = [&](int j) { return slice_base + (std::int64_t{whole} * spb + j) * head_stride; };
-  if (partial_warp)
-    for (int l = threadIdx.x & 31; l < (far_slices - whole * spb) * row_batch<D, S>::kLines; l += 32)
-      ptx::prefetch_l2(partial_row(l / row_batch<D, S>::kLines) + l % row_batch<D, S>::kLines * 32);
+  const int partial_rows = far_slices - whole * spb;  // >= 1 where whole < blocks
+  const float* partial_first = slice_base + std::int64_t{whole} * spb * head_stride;
+  if (partial_warp) stage_summed_row<D>(staged, partial_first, head_stride, partial_rows);
+  // Blocks ranked by counting (count_top_k): the mask their bits go to
+  // starts empty.
+  const bool count_blocks = blocks > p.top_k_coarse && blocks <= kSelectThreads * S;
+  if (count_blocks)
+    for (int w = t; w < (blocks + 31) / 32; w += kSelectThreads) kept_mask[w] = 0u;
 
   if constexpr (S > 1) __syncthreads();  // qsum, within the CTA (the arrive was relaxed)
   cluster::wait();                         // every CTA of the cluster is running
 
   // Step 4: score the candidate blocks.
-  score_rows<D, S>(whole, qsum, block_row, 1.0f / static_cast<float>(C),
-                   [&](int r, float s) { broadcast<S>(coarse_scores, r, s); });
+  auto store_block = [&](int r, float s) { broadcast<S>(coarse_scores, r, s); };
+  score_rows<D, S>(
+      whole, qsum, [](int r) { return r; }, block_row, 1.0f / static_cast<float>(C), store_block, [](int) {});
   if (partial_warp)
-    score_summed_row<D>(partial_row(0), head_stride, far_slices - whole * spb, qsum,
-                        1.0f / static_cast<float>(ws - whole * C),
-                        [&](float s) { broadcast<S>(coarse_scores, whole, s); });
+    score_summed_row<D>(staged, partial_first, head_stride, partial_rows, qsum,
+                        1.0f / static_cast<float>(ws - whole * C), [&](float s) { store_block(whole, s); });
   cluster::sync();
 
   int kept = 0;
@@ -622,16 +824,23 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   const std::int64_t at = std::int64_t{b} * in.kv_heads + h;
   float* out_block_scores = writer && p.out.block_scores ? p.out.block_scores + at * p.top_k_coarse : nullptr;
   std::int32_t* out_blocks = writer && p.out.kept_blocks ? p.out.kept_blocks + at * p.top_k_coarse : nullptr;
-  if (blocks > 0) {  // uniform across the CTA
+  auto emit_block = [&](int pos, int block) {
+    kept_blocks[pos] = block;
+    if (out_blocks) out_blocks[pos] = block;
+    if (out_block_scores) out_block_scores[pos] = coarse_scores[block];
+  };
+  if (count_blocks) {  // uniform across the cluster
+    kept = count_top_k<S>(coarse_scores, keys, blocks, p.top_k_coarse, kept_mask, emit_block);
+  } else if (blocks > 0 && blocks <= p.top_k_coarse) {  // every block kept
+    for (int i = t; i < blocks; i += kSelectThreads) emit_block(i, i);
+    kept = blocks;
+    __syncthreads();
+  } else if (blocks > 0) {
     mark_top_k<Wide>(coarse_scores, blocks, p.top_k_coarse, keep, keys, temp);
-    kept = compact_marked<kMaxCandidates>(keep, blocks, temp.scan, [&](int pos, int block) {
-      kept_blocks[pos] = block;
-      if (out_blocks) out_blocks[pos] = block;
-      if (out_block_scores) out_block_scores[pos] = coarse_scores[block];
-    });
+    kept = compact_marked<kMaxCandidates>(keep, blocks, temp.scan, emit_block);
   }
   if (out_blocks)
-    for (int i = kept + threadIdx.x; i < p.top_k_coarse; i += kSelectThreads) {
+    for (int i = kept + t; i < p.top_k_coarse; i += kSelectThreads) {
       out_blocks[i] = -1;
       if (out_block_scores) out_block_scores[i] = -__int_as_float(0x7f800000);
     }
@@ -645,10 +854,31 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
     return c + (kept_blocks[j] - j) * spb;
   };
   const int candidates = kept == 0 ? 0 : kept * spb - max(0, (kept_blocks[kept - 1] + 1) * spb - far_slices);
+  // Rank 0 ranks the slices. Where the warps' batches make at least 2k
+  // groups, every warp hands it the maximum key of each of its batches
+  // (group j * S * kSelectWarps + warp), so the ranking starts at its
+  // threshold (top_k_of_groups); otherwise mark_top_k finds its own.
+  using batch_t = row_batch<D, S>;
+  constexpr int kFineStep = batch_t::kStride * batch_t::kRows;
+  const int fine_groups = (candidates + kFineStep - 1) / kFineStep * (S * kSelectWarps);
+  const bool by_groups = candidates > p.top_k_fine && candidates <= kFilterMaxCandidates &&
+                         p.top_k_fine <= kFilterMaxK && fine_groups >= 2 * p.top_k_fine &&
+                         fine_groups <= kSelectThreads;
+  topk_key batch_max = kNoCandidate;
   score_rows<D, S>(
-      candidates, qsum,
-      [&](int c) { return slice_base + slice_of(c) * head_stride; },
-      1.0f / static_cast<float>(F), [&](int c, float s) { cluster::peer(fine_scores, 0u)[c] = s; });
+      candidates, qsum, slice_of, [&](int sl) { return slice_base + sl * head_stride; },
+      1.0f / static_cast<float>(F),
+      [&](int c, float s) {
+        cluster::peer(fine_scores, 0u)[c] = s;
+        if (by_groups) batch_max = make_key(s, c);
+      },
+      [&](int j) {
+        if (by_groups) {  // uniform
+          const topk_key m = item_max(batch_max, 32);
+          if ((t & 31) == 0) cluster::peer(fine_group_max, 0u)[j * (S * kSelectWarps) + cluster_warp<S>()] = m;
+          batch_max = kNoCandidate;
+        }
+      });
   // Only the writer (rank 0) ranks the slices, so the scores go to it alone
   // and the others leave once their scores are released: nobody reads or
   // writes their shared memory after this arrive.
@@ -658,19 +888,24 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
 
   std::int32_t* out_slices = p.out.kept_slices + at * p.top_k_fine;
   float* out_slice_scores = p.out.slice_scores ? p.out.slice_scores + at * p.top_k_fine : nullptr;
+  auto emit_slice = [&](int pos, int c) {
+    out_slices[pos] = slice_of(c);
+    if (out_slice_scores) out_slice_scores[pos] = fine_scores[c];
+  };
   int kept_slices = 0;
-  if (candidates > 0) {  // uniform across the CTA
+  if (by_groups) {  // uniform across the CTA
+    top_k_of_groups(fine_scores, candidates, p.top_k_fine, fine_group_max, fine_groups, keys, temp.filter,
+                    emit_slice);
+    kept_slices = p.top_k_fine;
+  } else if (candidates > 0) {
     mark_top_k<Wide>(fine_scores, candidates, p.top_k_fine, keep, keys, temp);
-    kept_slices = compact_marked<kMaxCandidates>(keep, candidates, temp.scan, [&](int pos, int c) {
-      out_slices[pos] = slice_of(c);
-      if (out_slice_scores) out_slice_scores[pos] = fine_scores[c];
-    });
+    kept_slices = compact_marked<kMaxCandidates>(keep, candidates, temp.scan, emit_slice);
   }
-  for (int i = kept_slices + threadIdx.x; i < p.top_k_fine; i += kSelectThreads) {
+  for (int i = kept_slices + t; i < p.top_k_fine; i += kSelectThreads) {
     out_slices[i] = -1;
     if (out_slice_scores) out_slice_scores[i] = -__int_as_float(0x7f800000);
   }
-  if (threadIdx.x == 0) p.out.num_slices[at] = kept_slices;
+  if (t == 0) p.out.num_slices[at] = kept_slices;
 }
 
 /// Whether the narrow kernel can run a stage of up to `candidates`
@@ -816,8 +1051,10 @@ template <class Q>
                                          const decode_selection_output& out, cudaStream_t stream = nullptr) {
   HISPARSE_TRY(can_implement_decode_selection(cfg, a, out));
   const bool wide = detail::wide_selection(cfg, a.max_blocks);
-  const detail::decode_params<Q> p{a, out, cfg.window, cfg.top_k_coarse, cfg.top_k_fine,
-                                   detail::plan_selection_smem(cfg, a.max_blocks, wide)};
+  detail::selection_smem smem = detail::plan_selection_smem(cfg, a.max_blocks, wide);
+  smem.partial = smem.bytes;
+  smem.bytes += detail::kPartialBytes;
+  const detail::decode_params<Q> p{a, out, cfg.window, cfg.top_k_coarse, cfg.top_k_fine, smem};
   switch (a.head_dim) {
     case 64: return detail::launch_selection<Q, 64>(p, wide, a.kv_heads, a.batch, stream);
     case 128: return detail::launch_selection<Q, 128>(p, wide, a.kv_heads, a.batch, stream);
