@@ -3,9 +3,12 @@
 // attention, two launches), its attention alone, its selection alone, and
 // the dense baseline (the same attention kernel over every token), all timed
 // in the same run on the same cache. Steps are timed as CUDA-graph replays
-// of 20 back-to-back steps (how a serving engine runs them); the dense
-// baseline, 0.3-9 ms per step, eagerly. An in-run device-to-device copy gives
-// the bandwidth ceiling the attention is quoted against.
+// of back-to-back steps (how a serving engine runs them) that cycle through
+// enough copies of the batch that every step reads HBM, as each layer of a
+// real step does (one batch replayed over and over, as until 2026-11-30,
+// times partly L2 hits: step_warm_us); the dense baseline, 0.3-9 ms per
+// step, eagerly. An in-run device-to-device copy gives the bandwidth
+// ceiling the attention is quoted against.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -28,9 +31,11 @@ constexpr int kReplays = 20;
 
 using bench::device_array;
 
-/// `batch` sequences of `context` random tokens in a paged cache, filled in
-/// 16K-token chunks of fresh device-drawn normal samples.
+/// `copies` batches of `batch` sequences of `context` random tokens in a
+/// paged cache, filled in 16K-token chunks of fresh device-drawn normal
+/// samples; arguments(r) is batch r.
 struct decode_fixture {
+  int batch;
   mr::device_pool_resource device;
   kv::paged_kv_cache<bf16, mr::device_pool_resource> cache;
   std::vector<std::int32_t> slots;
@@ -47,11 +52,12 @@ struct decode_fixture {
     return o;
   }
 
-  decode_fixture(int batch, std::int32_t context)
-      : cache(device, options(batch, context)),
+  decode_fixture(int batch_, std::int32_t context, int copies = 1)
+      : batch(batch_),
+        cache(device, options(batch_ * copies, context)),
         queries(static_cast<std::size_t>(batch) * kQHeads * kDim),
         out(static_cast<std::size_t>(batch) * kQHeads * kDim),
-        lse(static_cast<std::size_t>(batch) * kQHeads) {
+        lse(static_cast<std::size_t>(batch_) * kQHeads) {
     // Random keys and values in 16K-token chunks drawn afresh on the device
     // (one chunk appended again and again, as until 2026-11-30, repeats
     // every block score 16 times at 256K and inflates the selection's
@@ -59,7 +65,7 @@ struct decode_fixture {
     constexpr std::int32_t kChunk = 16384;
     workload::splitmix64 rng(3);
     device_array<bf16> chunk(static_cast<std::size_t>(kChunk) * kKvHeads * kDim);
-    for (int b = 0; b < batch; ++b) {
+    for (int b = 0; b < batch * copies; ++b) {
       int slot = 0;
       throw_if_error(cache.add_sequence(context, slot));
       slots.push_back(slot);
@@ -77,11 +83,11 @@ struct decode_fixture {
     HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
-  decode_step_arguments<bf16> arguments() const {
+  decode_step_arguments<bf16> arguments(int copy = 0) const {
     decode_step_arguments<bf16> a;
     a.queries = queries.ptr;
-    a.slots = d_slots->ptr;
-    a.batch = static_cast<int>(slots.size());
+    a.slots = d_slots->ptr + static_cast<std::size_t>(copy) * batch;
+    a.batch = batch;
     a.num_q_heads = kQHeads;
     a.cache = cache.ref();
     a.out = out.ptr;
@@ -90,14 +96,15 @@ struct decode_fixture {
   }
 };
 
-/// A graph of kReplays back-to-back calls of `enqueue(stream)`.
+/// A graph of `launches` back-to-back calls of `enqueue(stream, i)`.
 struct replay_graph {
   cudaGraphExec_t exec = nullptr;
+  int launches;
   template <class F>
-  replay_graph(cudaStream_t stream, F&& enqueue) {
+  replay_graph(cudaStream_t stream, int launches_, F&& enqueue) : launches(launches_) {
     cudaGraph_t graph = nullptr;
     HISPARSE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    for (int i = 0; i < kReplays; ++i) enqueue(stream);
+    for (int i = 0; i < launches; ++i) enqueue(stream, i);
     HISPARSE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
     HISPARSE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
     HISPARSE_CUDA_CHECK(cudaGraphDestroy(graph));
@@ -107,8 +114,36 @@ struct replay_graph {
   ~replay_graph() { cudaGraphExecDestroy(exec); }
   /// Seconds per step of one replay.
   double step_seconds(bench::event_timer& timer, cudaStream_t stream) const {
-    return timer.seconds([&] { HISPARSE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, stream) / kReplays;
+    return timer.seconds([&] { HISPARSE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, stream) / launches;
   }
+};
+
+/// Copies of the batch a cold replay cycles through: the step reads the
+/// selection's summaries and the attended K/V (default config) per copy.
+int step_copies(int batch, std::int32_t context) {
+  const double blocks = std::ceil(context / 1024.0);
+  const double per_head = (std::min(blocks, 32.0) * 16.0 + blocks) * kDim * 4.0 +  // summaries
+                          std::min<double>(context, 16.0 * 64 + 512) * 2.0 * kDim * sizeof(bf16);
+  return bench::cold_copies(batch * kKvHeads * per_head, 4096.0 * batch * context);
+}
+
+/// One planned step per copy of the batch, each with its own workspace.
+template <tile_policy Tile = attention::kDecodeTile>
+struct planned_steps {
+  std::vector<std::unique_ptr<hierarchical_decode<bf16, Tile>>> steps;
+  std::vector<std::unique_ptr<device_array<char>>> workspaces;
+  planned_steps(const SparseAttentionConfig& cfg, const decode_fixture& fx, int copies, cudaStream_t stream) {
+    for (int r = 0; r < copies; ++r) {
+      steps.push_back(std::make_unique<hierarchical_decode<bf16, Tile>>(cfg));
+      std::size_t bytes = 0;
+      throw_if_error(steps.back()->workspace_bytes(fx.arguments(r), bytes));
+      workspaces.push_back(std::make_unique<device_array<char>>(bytes));
+      throw_if_error(steps.back()->plan(fx.arguments(r), workspaces.back()->ptr, bytes, stream));
+    }
+  }
+  int copies() const { return static_cast<int>(steps.size()); }
+  int launches() const { return std::max(kReplays, copies()); }
+  hierarchical_decode<bf16, Tile>& operator[](int i) { return *steps[static_cast<std::size_t>(i % copies())]; }
 };
 
 /// In-run copy ceiling: bytes moved (read + written) per second by a 1 GiB
@@ -131,59 +166,72 @@ void BM_decode_step(benchmark::State& state) {
   const preset_registry presets;
   const SparseAttentionConfig cfg =
       presets.get(state.range(2) == 16 ? preset_id::standard : preset_id::high_recall);
-  decode_fixture fx(batch, context);
+  const int copies = step_copies(batch, context);
+  decode_fixture fx(batch, context, copies);
   const auto args = fx.arguments();
   cudaStream_t stream = nullptr;
   HISPARSE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   bench::event_timer timer;
 
-  hierarchical_decode<bf16> sparse(cfg);
-  std::size_t bytes = 0;
-  throw_if_error(sparse.workspace_bytes(args, bytes));
-  device_array<char> ws(bytes);
-  throw_if_error(sparse.plan(args, ws.ptr, bytes, stream));
+  planned_steps<> steps(cfg, fx, copies, stream);
+  hierarchical_decode<bf16>& sparse = steps[0];
   dense_decode<bf16> dense;
   std::size_t dense_bytes = 0;
   throw_if_error(dense.workspace_bytes(args, dense_bytes));
   device_array<char> dense_ws(dense_bytes);
   throw_if_error(dense.plan(args, dense_ws.ptr, dense_bytes, stream));
 
-  // The attention and the selection alone, from the same plan.
-  const auto& plan = sparse.attention_plan();
-  attention::decode_attention_arguments<bf16> attn;
-  attn.queries = args.queries;
-  attn.slots = args.slots;
-  attn.batch = batch;
-  attn.num_q_heads = kQHeads;
-  attn.cache = args.cache;
-  attn.kept_slices = sparse.kept_slices();
-  attn.num_slices = sparse.num_slices();
-  attn.top_k_fine = cfg.top_k_fine;
-  attn.window = cfg.window;
-  attn.max_items = std::min(attention::sparse_max_items(cfg), args.cache.max_slices);
-  attn.out = args.out;
-  attn.lse = args.lse;
-  select::decode_selection_arguments<bf16> sel;
-  sel.queries = args.queries;
-  sel.slots = args.slots;
-  sel.batch = batch;
-  sel.num_q_heads = kQHeads;
-  sel.set_cache(args.cache);
-  const select::decode_selection_output sel_out{const_cast<std::int32_t*>(sparse.kept_slices()),
-                                                const_cast<std::int32_t*>(sparse.num_slices()),
-                                                const_cast<std::int32_t*>(sparse.window_begin())};
-  // The attention workspace is the front of the step's workspace.
-  void* attn_ws = ws.ptr;
+  // The attention and the selection alone, from each copy's plan; the
+  // attention workspace is the front of the step's workspace.
+  auto attention_of = [&](int r) {
+    hierarchical_decode<bf16>& st = steps[r];
+    const auto a = fx.arguments(r % copies);
+    attention::decode_attention_arguments<bf16> attn;
+    attn.queries = a.queries;
+    attn.slots = a.slots;
+    attn.batch = batch;
+    attn.num_q_heads = kQHeads;
+    attn.cache = a.cache;
+    attn.kept_slices = st.kept_slices();
+    attn.num_slices = st.num_slices();
+    attn.top_k_fine = cfg.top_k_fine;
+    attn.window = cfg.window;
+    attn.max_items = std::min(attention::sparse_max_items(cfg), a.cache.max_slices);
+    attn.out = a.out;
+    attn.lse = a.lse;
+    return attn;
+  };
+  auto selection_of = [&](int r) {
+    hierarchical_decode<bf16>& st = steps[r];
+    const auto a = fx.arguments(r % copies);
+    select::decode_selection_arguments<bf16> sel;
+    sel.queries = a.queries;
+    sel.slots = a.slots;
+    sel.batch = batch;
+    sel.num_q_heads = kQHeads;
+    sel.set_cache(a.cache);
+    const select::decode_selection_output out{const_cast<std::int32_t*>(st.kept_slices()),
+                                              const_cast<std::int32_t*>(st.num_slices()),
+                                              const_cast<std::int32_t*>(st.window_begin())};
+    return std::make_pair(sel, out);
+  };
 
-  const replay_graph step(stream, [&](cudaStream_t s) { throw_if_error(sparse.run(s)); });
-  const replay_graph attention_only(
-      stream, [&](cudaStream_t s) { throw_if_error(attention::decode_attention_async(plan, attn, attn_ws, s)); });
-  const replay_graph selection_only(
-      stream, [&](cudaStream_t s) { throw_if_error(select::select_decode_async(cfg, sel, sel_out, s)); });
+  const int launches = steps.launches();
+  const replay_graph step(stream, launches, [&](cudaStream_t s, int i) { throw_if_error(steps[i].run(s)); });
+  const replay_graph step_warm(stream, kReplays, [&](cudaStream_t s, int) { throw_if_error(sparse.run(s)); });
+  const replay_graph attention_only(stream, launches, [&](cudaStream_t s, int i) {
+    throw_if_error(attention::decode_attention_async(steps[i].attention_plan(), attention_of(i),
+                                                     steps.workspaces[static_cast<std::size_t>(i % copies)]->ptr, s));
+  });
+  const replay_graph selection_only(stream, launches, [&](cudaStream_t s, int i) {
+    const auto [sel, out] = selection_of(i);
+    throw_if_error(select::select_decode_async(cfg, sel, out, s));
+  });
 
-  std::vector<double> t_step, t_attn, t_sel, t_eager, t_dense;
+  std::vector<double> t_step, t_warm, t_attn, t_sel, t_eager, t_dense;
   for (auto _ : state) {
     t_step.push_back(step.step_seconds(timer, stream));
+    t_warm.push_back(step_warm.step_seconds(timer, stream));
     t_attn.push_back(attention_only.step_seconds(timer, stream));
     t_sel.push_back(selection_only.step_seconds(timer, stream));
     t_eager.push_back(timer.seconds([&] { throw_if_error(sparse.run(stream)); }, stream));
@@ -214,6 +262,8 @@ void BM_decode_step(benchmark::State& state) {
   const double step_s = bench::median(t_step), attn_s = bench::median(t_attn), sel_s = bench::median(t_sel);
   const double dense_s = bench::median(t_dense);
   state.counters["step_us"] = step_s * 1e6;
+  state.counters["step_warm_us"] = bench::median(t_warm) * 1e6;
+  state.counters["copies"] = copies;
   state.counters["eager_step_us"] = bench::median(t_eager) * 1e6;
   state.counters["attention_us"] = attn_s * 1e6;
   state.counters["selection_us"] = sel_s * 1e6;
@@ -237,23 +287,19 @@ void BM_step_tile(benchmark::State& state) {
   const int batch = static_cast<int>(state.range(0));
   const auto context = static_cast<std::int32_t>(state.range(1));
   const SparseAttentionConfig cfg = preset_registry{}.get(preset_id::standard);
-  decode_fixture fx(batch, context);
-  const auto args = fx.arguments();
+  const int copies = step_copies(batch, context);
+  decode_fixture fx(batch, context, copies);
   cudaStream_t stream = nullptr;
   HISPARSE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   bench::event_timer timer;
-  hierarchical_decode<bf16, Tile> sparse(cfg);
-  std::size_t bytes = 0;
-  throw_if_error(sparse.workspace_bytes(args, bytes));
-  device_array<char> ws(bytes);
-  throw_if_error(sparse.plan(args, ws.ptr, bytes, stream));
-  const replay_graph step(stream, [&](cudaStream_t s) { throw_if_error(sparse.run(s)); });
+  planned_steps<Tile> steps(cfg, fx, copies, stream);
+  const replay_graph step(stream, steps.launches(), [&](cudaStream_t s, int i) { throw_if_error(steps[i].run(s)); });
   std::vector<double> t;
   for (auto _ : state) {
     t.push_back(step.step_seconds(timer, stream));
     state.SetIterationTime(t.back());
   }
-  const auto& plan = sparse.attention_plan();
+  const auto& plan = steps[0].attention_plan();
   state.counters["step_us"] = bench::median(t) * 1e6;
   state.counters["splits"] = plan.splits;
   state.counters["stages"] = plan.stages;

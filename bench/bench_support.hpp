@@ -4,6 +4,7 @@
 // library, may allocate with cudaMalloc directly.)
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -63,6 +64,24 @@ struct device_array {
   device_array(const device_array&) = delete;
   device_array& operator=(const device_array&) = delete;
 };
+
+/// How many disjoint copies of a working set a benchmark cycles through so
+/// that every launch reads from HBM, not from the L2 the previous launches
+/// filled: enough copies to touch twice the L2 between two reads of one
+/// copy, at least 1, and no more than fit in half the free device memory
+/// (each copy holds `footprint` bytes; `touched` of them are read per
+/// launch). A decode step reads each layer's cache once; replaying one
+/// small batch over the same cache would time L2 hits instead.
+inline int cold_copies(double touched, double footprint) {
+  int device = 0, l2 = 0;
+  HISPARSE_CUDA_CHECK(cudaGetDevice(&device));
+  HISPARSE_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
+  std::size_t free = 0, total = 0;
+  HISPARSE_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  const double want = std::ceil(2.0 * l2 / std::max(touched, 1.0));
+  const double fit = std::floor(0.5 * static_cast<double>(free) / std::max(footprint, 1.0));
+  return static_cast<int>(std::max(1.0, std::min(want, fit)));
+}
 
 #ifdef __CUDACC__
 /// x[i] = a standard normal sample drawn from (seed, i): a splitmix64 hash
