@@ -494,6 +494,40 @@ __device__ __forceinline__ int item_sum(int x, int p) {
   return x;
 }
 
+/// Appends the keys of scores[0, count) that reach `threshold` to keys[],
+/// one shared atomic per warp (warp_append); *fill counts them.
+__device__ __forceinline__ void append_survivors(const float* scores, int count, topk_key threshold, topk_key* keys,
+                                                 unsigned* fill) {
+  const int t = static_cast<int>(threadIdx.x);
+  for (int i0 = 0; i0 < count; i0 += kSelectThreads) {  // the same trip count in every warp
+    const int i = i0 + t;
+    const topk_key key = i < count ? make_key(scores[i], i) : kNoCandidate;
+    const bool take = i < count && key >= threshold;
+    const unsigned pos = warp_append(take, fill);
+    if (take) keys[pos] = key;
+  }
+}
+
+/// Ranks each of keys[0, survivors) against all of them (keys distinct),
+/// spread over the CTA (2^log2_lanes_per_item threads per key, combined by
+/// shuffles), and calls kept(take, key) in every thread -- take: this
+/// thread reports a key with fewer than k above it -- the same number of
+/// times in every warp (kept may use warp collectives).
+template <class Kept>
+__device__ __forceinline__ void rank_survivors(const topk_key* keys, int survivors, int k, Kept kept) {
+  const int t = static_cast<int>(threadIdx.x);
+  const int lq = log2_lanes_per_item(survivors), q = 1 << lq;
+  for (int s0 = 0; s0 < survivors; s0 += kSelectThreads >> lq) {  // uniform trip count
+    const int s = s0 + (t >> lq), part = t & (q - 1);
+    const topk_key mine = s < survivors ? keys[s] : kNoCandidate;
+    int above = 0;
+    if (s < survivors)
+      for (int u = part; u < survivors; u += q) above += keys[u] > mine ? 1 : 0;
+    above = item_sum(above, q);
+    kept(s < survivors && part == 0 && above < k, mine);
+  }
+}
+
 /// Top-k of scores[0, count) (candidate ids 0..count-1), ties to the lower
 /// id: sets keep[i] to 1 for the kept candidates and 0 for the rest.
 ///
@@ -557,25 +591,12 @@ __device__ void mark_top_k(const float* scores, int count, int k, unsigned char*
   }
   __syncthreads();
   const topk_key threshold = fs.threshold;
-  for (int i0 = 0; i0 < count; i0 += kSelectThreads) {  // the same trip count in every warp
-    const int i = i0 + t;
-    const topk_key key = i < count ? make_key(scores[i], i) : kNoCandidate;
-    const bool take = i < count && key >= threshold;
-    const unsigned pos = warp_append(take, &fs.fill);
-    if (take) keys[pos] = key;
-  }
+  append_survivors(scores, count, threshold, keys, &fs.fill);
   __syncthreads();
   const int survivors = static_cast<int>(fs.fill);  // >= k
-  const int lq = log2_lanes_per_item(survivors), q = 1 << lq;
-  for (int s0 = 0; s0 < survivors; s0 += kSelectThreads >> lq) {  // uniform trip count
-    const int s = s0 + (t >> lq), part = t & (q - 1);
-    const topk_key mine = s < survivors ? keys[s] : kNoCandidate;
-    int above = 0;
-    if (s < survivors)
-      for (int u = part; u < survivors; u += q) above += keys[u] > mine ? 1 : 0;
-    above = item_sum(above, q);
-    if (s < survivors && part == 0 && above < k) keep[key_index(mine)] = 1;
-  }
+  rank_survivors(keys, survivors, k, [&](bool take, topk_key key) {
+    if (take) keep[key_index(key)] = 1;
+  });
   __syncthreads();
 }
 
@@ -689,28 +710,14 @@ __device__ void top_k_of_groups(const float* scores, int count, int k, const top
   }
   __syncthreads();
   const topk_key threshold = fs.threshold;
-  for (int i0 = 0; i0 < count; i0 += kSelectThreads) {  // the same trip count in every warp
-    const int i = i0 + t;
-    const topk_key key = i < count ? make_key(scores[i], i) : kNoCandidate;
-    const bool take = i < count && key >= threshold;
-    const unsigned pos = warp_append(take, &fs.fill);
-    if (take) keys[pos] = key;
-  }
+  append_survivors(scores, count, threshold, keys, &fs.fill);
   __syncthreads();
   const int survivors = static_cast<int>(fs.fill);  // >= k
   topk_key* kept = fs.group_max;                     // k <= kFilterMaxK entries
-  const int lq = log2_lanes_per_item(survivors), q = 1 << lq;
-  for (int s0 = 0; s0 < survivors; s0 += kSelectThreads >> lq) {  // uniform trip count
-    const int s = s0 + (t >> lq), part = t & (q - 1);
-    const topk_key mine = s < survivors ? keys[s] : kNoCandidate;
-    int above = 0;
-    if (s < survivors)
-      for (int u = part; u < survivors; u += q) above += keys[u] > mine ? 1 : 0;
-    above = item_sum(above, q);
-    const bool take = s < survivors && part == 0 && above < k;
+  rank_survivors(keys, survivors, k, [&](bool take, topk_key key) {
     const unsigned pos = warp_append(take, &fs.kept_fill);
-    if (take) kept[pos] = mine;
-  }
+    if (take) kept[pos] = key;
+  });
   __syncthreads();
   for (int i = t; i < k; i += kSelectThreads) {  // lower index = larger low word
     const topk_key mine = kept[i];
