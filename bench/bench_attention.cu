@@ -30,6 +30,7 @@ constexpr int kQHeads = 32, kKvHeads = 8, kDim = 128;
 constexpr int kReplays = 20;
 
 using bench::device_array;
+using bench::replay_graph;
 
 /// `copies` batches of `batch` sequences of `context` random tokens in a
 /// paged cache, filled in 16K-token chunks of fresh device-drawn normal
@@ -96,28 +97,6 @@ struct decode_fixture {
   }
 };
 
-/// A graph of `launches` back-to-back calls of `enqueue(stream, i)`.
-struct replay_graph {
-  cudaGraphExec_t exec = nullptr;
-  int launches;
-  template <class F>
-  replay_graph(cudaStream_t stream, int launches_, F&& enqueue) : launches(launches_) {
-    cudaGraph_t graph = nullptr;
-    HISPARSE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    for (int i = 0; i < launches; ++i) enqueue(stream, i);
-    HISPARSE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    HISPARSE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    HISPARSE_CUDA_CHECK(cudaGraphDestroy(graph));
-    HISPARSE_CUDA_CHECK(cudaGraphLaunch(exec, stream));  // warm-up
-    HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  }
-  ~replay_graph() { cudaGraphExecDestroy(exec); }
-  /// Seconds per step of one replay.
-  double step_seconds(bench::event_timer& timer, cudaStream_t stream) const {
-    return timer.seconds([&] { HISPARSE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, stream) / launches;
-  }
-};
-
 /// Copies of the batch a cold replay cycles through: the step reads the
 /// selection's summaries and the attended K/V (default config) per copy.
 int step_copies(int batch, std::int32_t context) {
@@ -181,52 +160,13 @@ void BM_decode_step(benchmark::State& state) {
   device_array<char> dense_ws(dense_bytes);
   throw_if_error(dense.plan(args, dense_ws.ptr, dense_bytes, stream));
 
-  // The attention and the selection alone, from each copy's plan; the
-  // attention workspace is the front of the step's workspace.
-  auto attention_of = [&](int r) {
-    hierarchical_decode<bf16>& st = steps[r];
-    const auto a = fx.arguments(r % copies);
-    attention::decode_attention_arguments<bf16> attn;
-    attn.queries = a.queries;
-    attn.slots = a.slots;
-    attn.batch = batch;
-    attn.num_q_heads = kQHeads;
-    attn.cache = a.cache;
-    attn.kept_slices = st.kept_slices();
-    attn.num_slices = st.num_slices();
-    attn.top_k_fine = cfg.top_k_fine;
-    attn.window = cfg.window;
-    attn.max_items = std::min(attention::sparse_max_items(cfg), a.cache.max_slices);
-    attn.out = a.out;
-    attn.lse = a.lse;
-    return attn;
-  };
-  auto selection_of = [&](int r) {
-    hierarchical_decode<bf16>& st = steps[r];
-    const auto a = fx.arguments(r % copies);
-    select::decode_selection_arguments<bf16> sel;
-    sel.queries = a.queries;
-    sel.slots = a.slots;
-    sel.batch = batch;
-    sel.num_q_heads = kQHeads;
-    sel.set_cache(a.cache);
-    const select::decode_selection_output out{const_cast<std::int32_t*>(st.kept_slices()),
-                                              const_cast<std::int32_t*>(st.num_slices()),
-                                              const_cast<std::int32_t*>(st.window_begin())};
-    return std::make_pair(sel, out);
-  };
-
   const int launches = steps.launches();
   const replay_graph step(stream, launches, [&](cudaStream_t s, int i) { throw_if_error(steps[i].run(s)); });
   const replay_graph step_warm(stream, kReplays, [&](cudaStream_t s, int) { throw_if_error(sparse.run(s)); });
-  const replay_graph attention_only(stream, launches, [&](cudaStream_t s, int i) {
-    throw_if_error(attention::decode_attention_async(steps[i].attention_plan(), attention_of(i),
-                                                     steps.workspaces[static_cast<std::size_t>(i % copies)]->ptr, s));
-  });
-  const replay_graph selection_only(stream, launches, [&](cudaStream_t s, int i) {
-    const auto [sel, out] = selection_of(i);
-    throw_if_error(select::select_decode_async(cfg, sel, out, s));
-  });
+  const replay_graph attention_only(stream, launches,
+                                    [&](cudaStream_t s, int i) { throw_if_error(steps[i].run_attention(s)); });
+  const replay_graph selection_only(stream, launches,
+                                    [&](cudaStream_t s, int i) { throw_if_error(steps[i].run_selection(s)); });
 
   std::vector<double> t_step, t_warm, t_attn, t_sel, t_eager, t_dense;
   for (auto _ : state) {

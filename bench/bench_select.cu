@@ -100,31 +100,19 @@ void BM_decode_selection(benchmark::State& state) {
   // Graphs of back-to-back selections (the per-launch time of a replay):
   // `cold` cycles through the copies, `warm` reads copy 0 every time (what
   // this benchmark timed until 2026-11-30: L2 hits, ~3 us faster at B = 8).
-  auto capture = [&](int launches, int n_copies) {
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    HISPARSE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    for (int i = 0; i < launches; ++i) {
+  auto selections = [&](int n_copies) {
+    return [&, n_copies](cudaStream_t s, int i) {
       select::decode_selection_arguments<bf16> ai = a;
       ai.slots = d_slots.ptr + static_cast<std::size_t>(i % n_copies) * batch;
-      throw_if_error(select::select_decode_async(cfg, ai, out, stream));
-    }
-    HISPARSE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    HISPARSE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    HISPARSE_CUDA_CHECK(cudaGraphDestroy(graph));
-    HISPARSE_CUDA_CHECK(cudaGraphLaunch(exec, stream));  // warm-up
-    return exec;
+      throw_if_error(select::select_decode_async(cfg, ai, out, s));
+    };
   };
-  const int launches = std::max(20, copies);
-  cudaGraphExec_t cold = capture(launches, copies), warm = capture(20, 1);
-  auto per_launch = [&](cudaGraphExec_t exec, int n) {
-    return timer.seconds([&] { HISPARSE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, stream) / n;
-  };
+  const bench::replay_graph cold(stream, std::max(20, copies), selections(copies)), warm(stream, 20, selections(1));
   std::vector<double> eager, t_cold, t_warm;
   for (auto _ : state) {
     eager.push_back(timer.seconds([&] { throw_if_error(select::select_decode_async(cfg, a, out, stream)); }, stream));
-    t_warm.push_back(per_launch(warm, 20));
-    t_cold.push_back(per_launch(cold, launches));
+    t_warm.push_back(warm.step_seconds(timer, stream));
+    t_cold.push_back(cold.step_seconds(timer, stream));
     state.SetIterationTime(t_cold.back());
   }
   const double t_replay = bench::median(t_cold);
@@ -134,8 +122,6 @@ void BM_decode_selection(benchmark::State& state) {
   state.counters["copies"] = copies;
   state.counters["MB_read"] = bytes * 1e-6;
   state.counters["GBps"] = bytes / t_replay * 1e-9;
-  HISPARSE_CUDA_CHECK(cudaGraphExecDestroy(cold));
-  HISPARSE_CUDA_CHECK(cudaGraphExecDestroy(warm));
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 

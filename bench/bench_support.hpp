@@ -65,6 +65,30 @@ struct device_array {
   device_array& operator=(const device_array&) = delete;
 };
 
+/// A CUDA graph of `launches` back-to-back calls of `enqueue(stream, i)`,
+/// launched once to warm up; step_seconds times one replay per launch.
+struct replay_graph {
+  cudaGraphExec_t exec = nullptr;
+  int launches;
+  template <class F>
+  replay_graph(cudaStream_t stream, int launches_, F&& enqueue) : launches(launches_) {
+    cudaGraph_t graph = nullptr;
+    HISPARSE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    for (int i = 0; i < launches; ++i) enqueue(stream, i);
+    HISPARSE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    HISPARSE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    HISPARSE_CUDA_CHECK(cudaGraphDestroy(graph));
+    HISPARSE_CUDA_CHECK(cudaGraphLaunch(exec, stream));  // warm-up
+    HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  ~replay_graph() { cudaGraphExecDestroy(exec); }
+  replay_graph(const replay_graph&) = delete;
+  replay_graph& operator=(const replay_graph&) = delete;
+  double step_seconds(event_timer& timer, cudaStream_t stream) const {
+    return timer.seconds([&] { HISPARSE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }, stream) / launches;
+  }
+};
+
 /// How many disjoint copies of a working set a benchmark cycles through so
 /// that every launch reads from HBM, not from the L2 the previous launches
 /// filled: enough copies to touch twice the L2 between two reads of one

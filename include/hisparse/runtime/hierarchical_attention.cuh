@@ -159,11 +159,19 @@ class hierarchical_decode {
   /// programmatic dependent of the selection: its CTAs start while the
   /// selection drains and wait for it only before reading the kept slices.
   [[nodiscard]] status run(cudaStream_t stream = nullptr) const {
+    HISPARSE_TRY(run_selection(stream));
+    return launch_attention(stream, /*overlap_previous=*/true);
+  }
+
+  /// The two stages alone, for timing or profiling one of them: the
+  /// selection (writes kept_slices()), and the attention over the last
+  /// selection's kept slices, launched as an ordinary kernel.
+  [[nodiscard]] status run_selection(cudaStream_t stream = nullptr) const {
     if (!planned_) return fail(status::invalid_argument, "hierarchical decode: run before plan");
-    HISPARSE_TRY(select::select_decode_async(cfg_, selection_arguments(args_), selection_output(), stream));
-    return attention::decode_attention_async<T, Tile>(
-        attention_plan_, attention_arguments(args_, kept_slices_, num_slices_), attention_workspace_,
-        stream, /*overlap_previous=*/true);
+    return select::select_decode_async(cfg_, selection_arguments(args_), selection_output(), stream);
+  }
+  [[nodiscard]] status run_attention(cudaStream_t stream = nullptr) const {
+    return launch_attention(stream, /*overlap_previous=*/false);
   }
 
   /// The selection of the last run, on the device: [batch][kv_heads][top_k_fine]
@@ -174,6 +182,13 @@ class hierarchical_decode {
   [[nodiscard]] const attention::decode_attention_plan& attention_plan() const { return attention_plan_; }
 
  private:
+  status launch_attention(cudaStream_t stream, bool overlap_previous) const {
+    if (!planned_) return fail(status::invalid_argument, "hierarchical decode: run before plan");
+    return attention::decode_attention_async<T, Tile>(attention_plan_,
+                                                      attention_arguments(args_, kept_slices_, num_slices_),
+                                                      attention_workspace_, stream, overlap_previous);
+  }
+
   struct layout {
     std::size_t attention = 0, kept = 0, num = 0, window = 0, total = 0;
     attention::decode_attention_plan attention_plan;
