@@ -400,6 +400,111 @@ TEST_CASE("a sequence longer than the plan's max_items gets NaN output and LSE, 
   check_against_fp64(first, head, /*dense=*/true);
 }
 
+TEST_CASE("sparse attention over any kept list; a kept count past top_k_fine gives NaN, never a silent answer",
+          "[gpu][attention]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  mr::device_pool_resource device;
+  const SparseAttentionConfig cfg{};
+  // Lengths that leave a partial last slice and 8 or 9 window slices.
+  const auto p = test::make_problem<__nv_bfloat16>({8, 2, 64}, cfg, {20000, 33333, 4097}, seed);
+  kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, test::cache_options(p, 33333));
+  const auto slots = test::fill(p, cache);
+  const int B = 3, Hkv = 2, Hq = 8, D = 64, G = 4, F = cfg.fine_slice, kf = cfg.top_k_fine;
+  // Per (row, KV head): 0 to kf distinct slices before the window, ascending,
+  // -1 padded; (row 1, head 0) claims kf + 1.
+  workload::splitmix64 rng(seed + 3);
+  step_output g;
+  g.kept.assign(static_cast<std::size_t>(B * Hkv * kf), -1);
+  g.num.resize(static_cast<std::size_t>(B * Hkv));
+  for (int b = 0; b < B; ++b) {
+    const std::int64_t len = p.lengths[static_cast<std::size_t>(b)];
+    const std::int64_t ws = std::max<std::int64_t>(0, (len - cfg.window) / F * F);
+    g.window.push_back(static_cast<std::int32_t>(ws));
+    for (int h = 0; h < Hkv; ++h) {
+      std::vector<std::int32_t> pick;
+      const int want = static_cast<int>(rng.below(kf + 1));
+      while (static_cast<int>(pick.size()) < want) {
+        const auto s = static_cast<std::int32_t>(rng.below(ws / F));
+        if (std::find(pick.begin(), pick.end(), s) == pick.end()) pick.push_back(s);
+      }
+      std::sort(pick.begin(), pick.end());
+      const auto at = static_cast<std::size_t>(b * Hkv + h);
+      std::copy(pick.begin(), pick.end(), g.kept.begin() + static_cast<std::ptrdiff_t>(at * kf));
+      g.num[at] = want;
+    }
+  }
+  g.num[static_cast<std::size_t>(1 * Hkv + 0)] = kf + 1;
+  dev<std::int32_t> d_slots(std::vector<std::int32_t>(slots.begin(), slots.end())), d_kept(g.kept), d_num(g.num);
+  dev<__nv_bfloat16> d_q(p.queries);
+  for (const int plan_sms : {0, 1}) {  // the GPU's split count, and one split per row
+    INFO("planned for " << (plan_sms == 0 ? "this GPU" : "1 SM"));
+    dev<__nv_bfloat16> out(static_cast<std::size_t>(B) * Hq * D);
+    dev<float> lse(static_cast<std::size_t>(B) * Hq);
+    out.poison(nullptr);
+    lse.poison(nullptr);
+    attention::decode_attention_arguments<__nv_bfloat16> a;
+    a.queries = d_q.ptr;
+    a.slots = d_slots.ptr;
+    a.batch = B;
+    a.num_q_heads = Hq;
+    a.cache = cache.ref();
+    a.kept_slices = d_kept.ptr;
+    a.num_slices = d_num.ptr;
+    a.top_k_fine = kf;
+    a.window = cfg.window;
+    a.max_items = attention::sparse_max_items(cfg);
+    a.out = out.ptr;
+    a.lse = lse.ptr;
+    attention::gpu_limits gpu;
+    REQUIRE(attention::current_gpu_limits(gpu) == status::success);
+    if (plan_sms != 0) gpu.sms = plan_sms;
+    attention::decode_attention_plan plan;
+    REQUIRE(attention::plan_decode_attention(a, gpu, plan) == status::success);
+    dev<char> ws(std::max<std::size_t>(plan.workspace_bytes, 1));
+    REQUIRE(attention::initialize_decode_attention_workspace(plan, ws.ptr) == status::success);
+    REQUIRE(attention::decode_attention_async(plan, a, ws.ptr) == status::success);
+    HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<double> o;
+    for (const auto x : out.download()) o.push_back(to_double(x));
+    const auto l = lse.download();
+    double worst = 0;
+    for (int b = 0; b < B; ++b)
+      for (int h = 0; h < Hkv; ++h) {
+        const auto at = static_cast<std::size_t>(b * Hkv + h);
+        for (int gq = 0; gq < G; ++gq) {
+          const int qh = h * G + gq;
+          const auto row = static_cast<std::size_t>(b) * Hq + qh;
+          if (g.num[at] > kf) {
+            CHECK(std::isnan(l[row]));
+            for (int d = 0; d < D; ++d) CHECK(std::isnan(o[row * D + d]));
+            continue;
+          }
+          std::vector<std::int32_t> kept(g.kept.begin() + static_cast<std::ptrdiff_t>(at * kf),
+                                         g.kept.begin() + static_cast<std::ptrdiff_t>((at + 1) * kf));
+          std::vector<double> ref, naive;
+          double ref_lse = 0;
+          attend(p, b, qh, positions_of(kept, g.num[at], g.window[static_cast<std::size_t>(b)],
+                                        p.lengths[static_cast<std::size_t>(b)], F),
+                 ref, naive, ref_lse);
+          double err = 0, err_naive = 0;
+          for (int d = 0; d < D; ++d) {
+            REQUIRE(std::isfinite(o[row * D + d]));
+            err = std::max(err, std::abs(o[row * D + d] - ref[d]));
+            err_naive = std::max(err_naive, std::abs(naive[d] - ref[d]));
+          }
+          INFO("row " << b << ", query head " << qh << ", " << g.num[at] << " kept: error " << err << ", naive "
+                      << err_naive);
+          REQUIRE(err <= 2 * err_naive + kAtol);
+          REQUIRE(l[row] == Approx(ref_lse).epsilon(1e-5).margin(1e-5));
+          worst = std::max(worst, err);
+        }
+      }
+    UNSCOPED_INFO("worst error " << worst);
+  }
+}
+
 TEST_CASE("decode step replays from a CUDA graph with new queries and tokens", "[gpu][attention]") {
   HISPARSE_REQUIRE_GPU();
   const std::uint64_t seed = test::fresh_seed();

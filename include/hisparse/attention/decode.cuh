@@ -4,14 +4,15 @@
 //  * sparse: per (sequence, KV head) the kept slices of a decode selection
 //    (select/decode_selection.cuh) followed by the window [ws, length);
 //  * dense: every slice [0, length) -- the in-library baseline.
-// A (sequence, KV head) attends up to `max_items` slices (sparse: the kept
-// ones, then the window's); they are cut into `splits` runs of
-// `slices_per_split`, one CTA each (flash-decoding), and the last CTA of a
-// (sequence, KV head) to finish merges the runs by log-sum-exp. Up to 8
-// query heads of the GQA group share every K/V load. Launched as a
-// programmatic dependent of the selection (hierarchical_decode::run, sm_90),
-// the CTAs start while the selection drains and wait for it only before
-// reading the kept slices.
+// A (sequence, KV head) attends up to `max_items` slices (sparse: the
+// window's, then the kept ones); `splits` CTAs share them round robin (CTA s
+// takes items s, s + splits, ...: flash-decoding), and the last CTA of a
+// (sequence, KV head) to finish merges their partial results by
+// log-sum-exp. Up to 8 query heads of the GQA group share every K/V load.
+// Launched as a programmatic dependent of the selection
+// (hierarchical_decode::run, sm_90), the CTAs start while the selection
+// runs, attend their share of the window (which does not depend on it), and
+// wait for it only before their kept slices.
 //
 // Inside a CTA the rows of its run stream through a ring of shared-memory
 // tiles (Tile.block_kv rows of K and of V each, Tile.stages deep): cp.async
@@ -102,7 +103,7 @@ struct decode_attention_plan {
   int heads_per_cta = 0;     ///< query heads of a group one CTA serves (<= 8)
   int head_splits = 0;       ///< CTAs across one group: ceil(group / 8)
   int splits = 0;            ///< CTAs along the slices of one (sequence, KV head)
-  int slices_per_split = 0;
+  int slices_per_split = 0;  ///< most slices one CTA takes (max_items / splits, rounded up)
   bool sparse = false;
   int stages = 0;            ///< shared-memory ring depth (<= the tile policy's stages)
   int ctas_per_sm = 0;       ///< resident CTAs per SM the grid was sized for
@@ -157,7 +158,7 @@ HISPARSE_HOST_DEVICE constexpr int warp_merge_bytes(int warps, int head_dim) {
 template <class T>
 struct decode_attention_params {
   decode_attention_arguments<T> a;
-  int group, head_splits, splits, slices_per_split, stages;
+  int group, head_splits, splits, stages;
   float scale_log2;  ///< softmax scale * log2(e)
   float* partial_out;      ///< [batch][num_q_heads][splits][head_dim]
   float* partial_lse;      ///< [batch][num_q_heads][splits], log2 domain
@@ -260,7 +261,16 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
 
   extern __shared__ __align__(128) unsigned char ring[];
   __shared__ const T* pages[kPageRing];
-  __shared__ float merge_w[kHeads][kMaxSplits];
+  // Q's A fragments while the tiles stream (read from shared memory at
+  // every k-step, not held in registers: the kernel must stay under 192
+  // registers to start beside the selection's CTAs), the merge's weights
+  // after.
+  union q_or_weights {
+    uint2 q[kKSteps][32];
+    float w[kHeads][kMaxSplits];
+  };
+  __shared__ q_or_weights scratch;
+  auto& merge_w = scratch.w;
   __shared__ float merge_lse[kHeads];
   __shared__ bool last_cta;
 
@@ -278,16 +288,13 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
   const int seq = a.slots[b];
   const std::int32_t len = c.lengths[std::int64_t{seq} * c.layers + a.layer];
   // Q as the A operand of S = Q K^T: lane holds head qh, dims 16k + qc (+1)
-  // and 16k + 8 + qc (+1); rows 8-15 of A are zero.
-  unsigned qa[kKSteps][2];
+  // and 16k + 8 + qc (+1) (rows 8-15 of A are zero); warp w stores the
+  // k-steps w, w + Warps, ... for every warp. Read after the first barrier.
   {
     const bool live = qh < heads;
     const auto* qrow = reinterpret_cast<const unsigned*>(a.queries + (q_row0 + (live ? qh : 0)) * D);
-#pragma unroll
-    for (int k = 0; k < kKSteps; ++k) {
-      qa[k][0] = live ? qrow[(16 * k + qc) / 2] : 0u;
-      qa[k][1] = live ? qrow[(16 * k + 8 + qc) / 2] : 0u;
-    }
+    for (int k = warp; k < kKSteps; k += Warps)
+      scratch.q[k][lane] = live ? make_uint2(qrow[(16 * k + qc) / 2], qrow[(16 * k + 8 + qc) / 2]) : make_uint2(0u, 0u);
   }
   const int F = c.fine_slice;
   const std::int64_t at = std::int64_t{b} * c.kv_heads + h;
@@ -299,12 +306,27 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
   }
   const int window_items = end_slice - first_window;  // dense: every slice
 
-  if (a.sparse()) wait_for_prior_grid();  // the selection's outputs
-  const int n_kept = a.sparse() ? a.num_slices[at] : 0;
+  // The items of a (sequence, KV head) are its window's slices, then (sparse)
+  // its kept ones; CTA `split` takes items split, split + S, split + 2S, ...
+  // (S = p.splits), so every CTA holds a share of the window. The window
+  // does not depend on the selection: a CTA streams and attends its window
+  // slices before it waits for the selection (griddepcontrol.wait), while
+  // the selection drains, and only its kept slices after. Its rows are its
+  // window items' rows, then its kept items' rows from the next tile on.
+  // Only the sequence's last slice (the window's last item) can be partial.
+  const int S = p.splits;
+  const int cw = window_items > split ? (window_items - split + S - 1) / S : 0;  // window items of this CTA
+  const bool owns_last = cw > 0 && split + (cw - 1) * S == window_items - 1;
+  const int w_rows = cw * F - (owns_last ? end_slice * F - len : 0);
+  // Window tiles (none when the window alone exceeds max_items: NaN below).
+  const int wt = window_items > a.max_items ? 0 : (w_rows + kTileRows - 1) / kTileRows;
   const std::int32_t* kept = a.sparse() ? a.kept_slices + at * a.top_k_fine : nullptr;
-  const int items = n_kept + window_items;  // kept slices first, then the window's
-  const int active = (items + p.slices_per_split - 1) / p.slices_per_split;
+  // What the selection decides, known once waited for (dense: now).
+  int items = window_items, ck = 0, tiles = wt;
+  bool known = !a.sparse();
+
   if (len <= 0) {  // nothing stored: a zero output, lse -inf
+    if (a.sparse()) wait_for_prior_grid();  // every CTA of a programmatic launch waits before it ends
     if (split == 0)
       for (int i = threadIdx.x; i < heads * D; i += kThreads) {
         a.out[(q_row0 + i / D) * D + i % D] = from_float<T>(0.0f);
@@ -312,45 +334,67 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
       }
     return;
   }
-  if (active > p.splits) {  // more slices than the plan's max_items: NaN output and LSE, never a silent drop
-    if (split == 0)
-      for (int i = threadIdx.x; i < heads * D; i += kThreads) {
-        a.out[(q_row0 + i / D) * D + i % D] = from_float<T>(__int_as_float(0x7fffffff));
-        if (a.lse != nullptr && i % D == 0) a.lse[q_row0 + i / D] = __int_as_float(0x7fffffff);
-      }
-    return;
-  }
-  if (split >= active) return;
 
-  // This CTA's rows: the slices [item_begin, item_end) back to back; only
-  // the sequence's last slice (the last item) can be partial.
-  const int item_begin = split * p.slices_per_split;
-  const int item_end = min(items, item_begin + p.slices_per_split);
-  const int rows = (item_end - item_begin) * F - (item_end == items ? end_slice * F - len : 0);
-  const int tiles = (rows + kTileRows - 1) / kTileRows;
   const int f_shift = (F & (F - 1)) == 0 ? __ffs(F) - 1 : -1;
   const std::int64_t head_tile = std::int64_t{F} * D;
   const std::int64_t v_offset = std::int64_t{c.kv_heads} * head_tile;
   const unsigned ring_base = smem_address(ring);
   const int stages = p.stages;
 
-  int page_base = -kPageRing - 1;  // the ring holds the pages of items page_base + [0, kPageRing)
+  // The page ring holds the pages of this CTA's items [page_base, page_end).
+  int page_base = 0, page_end = 0;
+  auto slice_of = [&](int r) {  // slice of this CTA's item r (r >= cw: kept, the selection is known)
+    const int pos = split + r * S;
+    return pos < window_items ? first_window + pos : kept[pos - window_items];
+  };
+  auto fill_pages = [&](int first, int known_items) {  // uniform across the CTA
+    __syncthreads();  // nobody still reads the old pointers
+    page_base = first;
+    page_end = min(known_items, first + kPageRing);
+    for (int i = threadIdx.x; i < page_end - page_base; i += kThreads)
+      pages[i] = c.page_table[c.table_index(seq, a.layer, slice_of(page_base + i))];
+    __syncthreads();
+  };
+  // Waits for the selection, then learns this CTA's kept items and their
+  // pages. The list's entries are loaded beside num_slices (the list holds
+  // top_k_fine entries, -1 past the kept count), so the chain to the first
+  // kept K/V is wait -> list -> page table. Uniform across the CTA.
+  auto learn_selection = [&]() {
+    wait_for_prior_grid();
+    const int n_kept = a.num_slices[at];
+    constexpr int kPagesPerThread = (kPageRing + kThreads - 1) / kThreads;
+    std::int32_t first_kept[kPagesPerThread];
+#pragma unroll
+    for (int m = 0; m < kPagesPerThread; ++m) {
+      const int e = split + (cw + static_cast<int>(threadIdx.x) + m * kThreads) * S - window_items;
+      first_kept[m] = e < a.top_k_fine ? kept[e] : -1;
+    }
+    items = window_items + n_kept;
+    const bool valid = n_kept >= 0 && n_kept <= a.top_k_fine && items <= a.max_items;  // else NaN, below
+    ck = valid ? (items > split ? (items - split + S - 1) / S : 0) - cw : 0;
+    tiles = wt + (ck * F + kTileRows - 1) / kTileRows;
+    known = true;
+    __syncthreads();  // nobody still reads the window's pointers
+    page_base = cw;
+    page_end = cw + min(ck, kPageRing);
+#pragma unroll
+    for (int m = 0; m < kPagesPerThread; ++m) {
+      const int i = static_cast<int>(threadIdx.x) + m * kThreads;
+      if (i < page_end - page_base) pages[i] = c.page_table[c.table_index(seq, a.layer, first_kept[m])];
+    }
+    __syncthreads();
+  };
+  if (cw > 0) fill_pages(0, cw);
+
   const int chunk = threadIdx.x % kChunks, row_in_pass = threadIdx.x / kChunks;
   // Issues tile t's copies into ring stage `stage`: this thread's chunk of
-  // kPasses rows of K and of V; rows past the run are zero-filled.
+  // kPasses rows of K and of V; rows past the window's or the kept items'
+  // rows are zero-filled.
   auto issue = [&](int t, int stage) {
-    const int row0 = t * kTileRows;
-    const int first = row0 / F, last = (min(rows, row0 + kTileRows) - 1) / F;  // items, relative
-    if (first < page_base || last >= page_base + kPageRing) {  // uniform across the CTA
-      __syncthreads();  // nobody still reads the old pointers
-      page_base = first;
-      for (int i = threadIdx.x; i < kPageRing; i += kThreads) {
-        const int item = item_begin + page_base + i;
-        if (item < item_end)
-          pages[i] = c.page_table[c.table_index(seq, a.layer, item < n_kept ? kept[item] : first_window + item - n_kept)];
-      }
-      __syncthreads();
-    }
+    const bool win = t < wt;
+    const int row0 = (win ? t : t - wt) * kTileRows, rows = win ? w_rows : ck * F, r0 = win ? 0 : cw;
+    const int first = r0 + row0 / F, last = r0 + (min(rows, row0 + kTileRows) - 1) / F;  // items of the CTA
+    if (first < page_base || last >= page_end) fill_pages(first, cw + ck);  // uniform across the CTA
     const unsigned kdst = ring_base + static_cast<unsigned>(stage * 2 * kTileBytes);
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
@@ -360,7 +404,7 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
       if (g < rows) {
         const int item = f_shift >= 0 ? g >> f_shift : g / F;
         const int rr = g - item * F;
-        const T* src = pages[item - page_base] + h * head_tile + std::int64_t{rr} * D + chunk * kVec;
+        const T* src = pages[r0 + item - page_base] + h * head_tile + std::int64_t{rr} * D + chunk * kVec;
         cp_async_16(kdst + off, src, 16);
         cp_async_16(kdst + kTileBytes + off, src + v_offset, 16);
       } else {
@@ -382,23 +426,27 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
   const unsigned v_lane = static_cast<unsigned>(kTileBytes + (wrow + (((lane >> 3) & 1) << 3) + (lane & 7)) * kRowBytes);
   const int k_half = (lane >> 3) & 1, v_half = lane >> 4, swz = lane & 7;
 
-  for (int s = 0; s < stages - 1; ++s) {
-    if (s < tiles) issue(s, s);
+  // Tile t is issued stages - 1 tiles ahead of its use (the first
+  // stages - 1 rounds only issue); the first kept tile (wt) waits for the
+  // selection before it is issued. One round: tile t is in (and the stage
+  // of tile t - 1 free) for every thread, issue tile t + stages - 1 into
+  // that stage, attend tile t.
+  for (int t = 1 - stages;; ++t) {
+    if (t >= 0) {
+      if (stages >= 2) cp_async_wait_at_most<MaxStages>(stages - 2);
+      __syncthreads();
+    }
+    const int next = t + stages - 1;
+    if (next >= wt && !known) learn_selection();
+    if (t >= tiles) break;
+    if (next < tiles) issue(next, next % stages);
     cp_async_commit();
-  }
-  for (int t = 0; t < tiles; ++t) {
+    if (t < 0) continue;
+    if (stages == 1) {  // the single stage: wait for the tile just issued
+      cp_async_wait<0>();
+      __syncthreads();
+    }
     const int stage = t % stages;
-    if (stages == 1) {
-      __syncthreads();  // the single stage is free
-      issue(t, 0);
-      cp_async_commit();
-    }
-    cp_async_wait_at_most<MaxStages>(stages >= 2 ? stages - 2 : 0);
-    __syncthreads();  // tile t is in for every thread; stage (t - 1) % stages is free
-    if (stages >= 2) {
-      if (t + stages - 1 < tiles) issue(t + stages - 1, (t + stages - 1) % stages);
-      cp_async_commit();
-    }
 
     const unsigned base = ring_base + static_cast<unsigned>(stage * 2 * kTileBytes);
     // S = Q K^T over this warp's 16 rows: two n-tiles of 8 rows.
@@ -407,13 +455,17 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
     for (int k = 0; k < kKSteps; ++k) {
       unsigned bk[4];
       ldmatrix_x4(base + k_lane + static_cast<unsigned>(((2 * k + k_half) ^ swz) << 4), bk);
-      const unsigned qa4[4] = {qa[k][0], 0u, qa[k][1], 0u};
+      const uint2 q = scratch.q[k][lane];
+      const unsigned qa4[4] = {q.x, 0u, q.y, 0u};
       mma_16816<T>(sc[0], qa4, bk[0], bk[1], sc[0]);
       mma_16816<T>(sc[1], qa4, bk[2], bk[3], sc[1]);
     }
-    // Online softmax for head qh over rows 8j + qc (+1); rows past the run
-    // are masked. The four lanes of a head agree on the max.
-    const int grow = t * kTileRows + wrow + qc;
+    // Online softmax for head qh over rows 8j + qc (+1); rows past the
+    // window's or the kept items' rows are masked. The four lanes of a head
+    // agree on the max.
+    const bool win = t < wt;
+    const int rows = win ? w_rows : ck * F;
+    const int grow = (win ? t : t - wt) * kTileRows + wrow + qc;
     float s[2][2], mx = kNegInf;
 #pragma unroll
     for (int j = 0; j < 2; ++j)
@@ -457,10 +509,22 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
   }
   l += __shfl_xor_sync(0xFFFFFFFFu, l, 1);
   l += __shfl_xor_sync(0xFFFFFFFFu, l, 2);
+  cp_async_wait<0>();
+  // More slices than the plan's max_items (or a kept count the selection
+  // cannot have written): NaN output and LSE, never a silent drop.
+  if (items > a.max_items || items < window_items || items > window_items + a.top_k_fine) {
+    if (split == 0)
+      for (int i = threadIdx.x; i < heads * D; i += kThreads) {
+        a.out[(q_row0 + i / D) * D + i % D] = from_float<T>(__int_as_float(0x7fffffff));
+        if (a.lse != nullptr && i % D == 0) a.lse[q_row0 + i / D] = __int_as_float(0x7fffffff);
+      }
+    return;
+  }
+  const int active = min(S, items);  // CTAs with at least one item
+  if (split >= active) return;
 
   // Merge the warps in the (drained) ring: per head, rescale every warp to
   // the common max.
-  cp_async_wait<0>();
   __syncthreads();
   auto* wm = reinterpret_cast<float*>(ring);            // [Warps][kHeads]
   auto* wl = wm + Warps * kHeads;                       // [Warps][kHeads]
@@ -511,30 +575,77 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
   __syncthreads();
   if (!last_cta) return;
   __threadfence();
-  // Weights first (one parallel round of loads), then every output element
-  // as a weighted sum whose loads are independent of each other.
+  // The partials go through the drained ring by cp.async, `per_round`
+  // splits at a time (all of them at B >= 8), beside the weights' loads:
+  // one trip to L2 for everything, with nothing held in registers. A head's
+  // partials are contiguous: [splits][D].
+  static_assert(2 * kTileBytes >= kHeads * D * 4, "one split's partials fit a ring stage");
+  const int per_round = stages * 2 * kTileBytes / (heads * D * 4);
+  const auto* staged = reinterpret_cast<const float*>(ring);  // [heads][per_round][D]
+  auto stage_round = [&](int sp0) {
+    const int n = min(per_round, active - sp0);
+    for (int c4 = threadIdx.x; c4 < heads * n * (D / 4); c4 += kThreads) {  // 16-byte chunks
+      const int g = c4 / (n * (D / 4)), r = c4 % (n * (D / 4));
+      cp_async_16(ring_base + static_cast<unsigned>(((g * per_round) * D + r * 4) * 4),
+                  p.partial_out + ((q_row0 + g) * p.splits + sp0) * D + r * 4, 16);
+    }
+    cp_async_commit();
+  };
+  stage_round(0);
   for (int i = threadIdx.x; i < heads * active; i += kThreads)
     merge_w[i / active][i % active] = __ldcg(p.partial_lse + (q_row0 + i / active) * p.splits + i % active);
   __syncthreads();
-  if (threadIdx.x < heads) {
-    const int g = threadIdx.x;
-    float mx = kNegInf;
-    for (int sp = 0; sp < active; ++sp) mx = fmaxf(mx, merge_w[g][sp]);
-    float sum = 0.0f;
-    for (int sp = 0; sp < active; ++sp) sum += exp2f(merge_w[g][sp] - mx);
-    for (int sp = 0; sp < active; ++sp) merge_w[g][sp] = exp2f(merge_w[g][sp] - mx) / sum;
-    merge_lse[g] = mx + log2f(sum);
+  // Warp g % Warps weighs head g: two splits a lane (kMaxSplits = 64), the
+  // max and the sum by shuffles.
+  static_assert(kMaxSplits <= 64, "two splits per lane");
+  for (int g = warp; g < heads; g += Warps) {
+    const bool has0 = lane < active, has1 = lane + 32 < active;
+    const float x0 = has0 ? merge_w[g][lane] : kNegInf, x1 = has1 ? merge_w[g][lane + 32] : kNegInf;
+    float mx = fmaxf(x0, x1);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, off));
+    const float e0 = has0 ? exp2f(x0 - mx) : 0.0f, e1 = has1 ? exp2f(x1 - mx) : 0.0f;
+    float sum = e0 + e1;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, off);
+    if (has0) merge_w[g][lane] = e0 / sum;
+    if (has1) merge_w[g][lane + 32] = e1 / sum;
+    if (lane == 0) merge_lse[g] = mx + log2f(sum);
   }
-  __syncthreads();
-  for (int i = threadIdx.x; i < heads * D; i += kThreads) {
-    const int g = i / D, d = i % D;
-    const std::int64_t row = q_row0 + g;
-    const float* part = p.partial_out + row * p.splits * D + d;
-    float out = 0.0f;
-#pragma unroll 8
-    for (int sp = 0; sp < active; ++sp) out = fmaf(merge_w[g][sp], __ldcg(part + std::int64_t{sp} * D), out);
-    a.out[row * D + d] = from_float<T>(out);
-    if (a.lse != nullptr && d == 0) a.lse[row] = merge_lse[g] * kLn2;
+  // out = sum over the splits in order of weight x partial (fmaf).
+  constexpr int kPerThread = (kHeads * D + kThreads - 1) / kThreads;
+  float acc[kPerThread];
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) acc[j] = 0.0f;
+  for (int sp0 = 0; sp0 < active; sp0 += per_round) {
+    if (sp0 > 0) {
+      __syncthreads();  // the last round is read
+      stage_round(sp0);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the round (and, first time, the weights) for every thread
+    const int n = min(per_round, active - sp0);
+    // kPerThread independent chains per split, without a branch between
+    // them (a guarded element made each one wait for its own loads: 6 us at
+    // 25 splits); elements past the heads read the last head and are not
+    // stored.
+    for (int u = 0; u < n; ++u)
+#pragma unroll
+      for (int j = 0; j < kPerThread; ++j) {
+        const int i = static_cast<int>(threadIdx.x) + j * kThreads;
+        const int g = min(i / D, heads - 1), d = i % D;
+        acc[j] = fmaf(merge_w[g][sp0 + u], staged[(g * per_round + u) * D + d], acc[j]);
+      }
+  }
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int i = static_cast<int>(threadIdx.x) + j * kThreads;
+    if (i < heads * D) {
+      const int g = i / D, d = i % D;
+      const std::int64_t row = q_row0 + g;
+      a.out[row * D + d] = from_float<T>(acc[j]);
+      if (a.lse != nullptr && d == 0) a.lse[row] = merge_lse[g] * kLn2;
+    }
   }
   if (threadIdx.x == 0) *counter = 0;
 }
@@ -741,7 +852,6 @@ template <class T, tile_policy Tile = kDecodeTile>
   p.group = a.num_q_heads / a.cache.kv_heads;
   p.head_splits = plan.head_splits;
   p.splits = plan.splits;
-  p.slices_per_split = plan.slices_per_split;
   p.stages = plan.stages;
   const float scale = a.softmax_scale > 0.0f ? a.softmax_scale : 1.0f / std::sqrt(static_cast<float>(a.cache.head_dim));
   p.scale_log2 = scale * detail::kLog2e;
