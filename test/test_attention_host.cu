@@ -86,6 +86,26 @@ TEST_CASE("decode attention plans one wave and keeps its counters in place for s
   CHECK(huge.workspace_bytes == huge.counter_bytes);
 }
 
+TEST_CASE("decode attention leaves the wave's reserved slots to the kernel beside it", "[attention][plan]") {
+  constexpr int kSms = 132;  // 264 CTA slots at two per SM
+  auto a = dense_args(8, 4096);
+  a.top_k_fine = 16;
+  a.window = 512;
+  a.max_items = 25;  // 16 kept slices + 9 window slices of 64 tokens
+  attention::decode_attention_plan full, beside;
+  REQUIRE(attention::plan_decode_attention(a, kSms, full) == status::success);
+  CHECK(full.splits == 4);  // 256 CTAs of 264
+  // B = 8 beside the selection: its 64 writer CTAs keep their slots.
+  REQUIRE(attention::plan_decode_attention(a, kSms, beside, 0, 64) == status::success);
+  CHECK(beside.splits == 3);
+  CHECK(std::int64_t{beside.splits} * 64 <= 2 * kSms - 64);
+  CHECK(std::int64_t{beside.splits} * beside.slices_per_split >= 25);
+  // More reserved than the wave holds: still one split.
+  REQUIRE(attention::plan_decode_attention(a, kSms, beside, 0, 100000) == status::success);
+  CHECK(beside.splits == 1);
+  CHECK(beside.slices_per_split == 25);
+}
+
 TEST_CASE("decode attention sizes its shared-memory ring to the GPU", "[attention][plan]") {
   // An RTX 4090 (sm_89): 100 KB per SM, 99 KB per CTA.
   attention::gpu_limits ada;

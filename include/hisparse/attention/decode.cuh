@@ -731,12 +731,17 @@ template <class T>
 
 /// Launch shape for `a` with tile policy `Tile` on a GPU described by
 /// `gpu`: as many CTAs as fit on it at once (one wave; shared memory and
-/// registers decide how many per SM), never fewer than one slice per CTA, at
-/// most 64 splits. `counter_batch` (default: a.batch) sizes the merge
-/// counters for the largest batch the workspace will serve.
+/// registers decide how many per SM) less `reserved_ctas` slots, never fewer
+/// than one slice per CTA, at most 64 splits. `counter_batch` (default:
+/// a.batch) sizes the merge counters for the largest batch the workspace
+/// will serve. `reserved_ctas`: slots of the wave another kernel holds while
+/// this one starts (the selection's CTAs that outlive the rest of it, when
+/// the attention is its programmatic dependent); a CTA that finds no slot
+/// starts late and finishes late, and the merge waits for it.
 template <tile_policy Tile = kDecodeTile, class T>
 [[nodiscard]] status plan_decode_attention(const decode_attention_arguments<T>& a, const gpu_limits& gpu,
-                                           decode_attention_plan& plan, int counter_batch = 0) {
+                                           decode_attention_plan& plan, int counter_batch = 0,
+                                           int reserved_ctas = 0) {
   static_assert(valid_tile_policy_v<Tile>);
   HISPARSE_TRY(can_implement_decode_attention(a));
   const int group = a.num_q_heads / a.cache.kv_heads;
@@ -760,7 +765,8 @@ template <tile_policy Tile = kDecodeTile, class T>
   // per step at B = 8, T = 256K; the extra CTAs took a second wave.)
   plan.sparse = a.sparse();
   const std::int64_t per_split = std::int64_t{a.batch} * a.cache.kv_heads * plan.head_splits;
-  const std::int64_t want = std::max<std::int64_t>(1, std::int64_t{plan.ctas_per_sm} * std::max(gpu.sms, 1) / per_split);
+  const std::int64_t slots = std::int64_t{plan.ctas_per_sm} * std::max(gpu.sms, 1) - std::max(reserved_ctas, 0);
+  const std::int64_t want = std::max<std::int64_t>(1, slots / per_split);
   const std::int64_t splits_wanted = std::min<std::int64_t>(want, detail::kMaxSplits);
   plan.slices_per_split = static_cast<int>(std::max<std::int64_t>(1, (a.max_items + splits_wanted - 1) / splits_wanted));
   plan.splits = (a.max_items + plan.slices_per_split - 1) / plan.slices_per_split;
@@ -791,10 +797,11 @@ template <tile_policy Tile = kDecodeTile, class T>
 /// planning without a device; runtime code passes current_gpu_limits).
 template <tile_policy Tile = kDecodeTile, class T>
 [[nodiscard]] status plan_decode_attention(const decode_attention_arguments<T>& a, int num_sms,
-                                           decode_attention_plan& plan, int counter_batch = 0) {
+                                           decode_attention_plan& plan, int counter_batch = 0,
+                                           int reserved_ctas = 0) {
   gpu_limits gpu;
   gpu.sms = num_sms;
-  return plan_decode_attention<Tile>(a, gpu, plan, counter_batch);
+  return plan_decode_attention<Tile>(a, gpu, plan, counter_batch, reserved_ctas);
 }
 
 /// Zeroes the merge counters of a fresh workspace (once; every run leaves

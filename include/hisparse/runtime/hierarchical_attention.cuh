@@ -163,16 +163,15 @@ class hierarchical_decode {
     // The selection's SMs keep their shared memory for the attention's CTAs
     // to start beside it where that is needed and possible: the attention's
     // grid does not fit on the SMs the selection leaves free, and the
-    // selection takes at most two CTAs per SM. (At B = 1 the attention fits
-    // beside it anyway and the carveout only cost L1: 0.5 us; at B = 8 it
-    // saved 0.9 us of the step; H200, T = 256K.)
+    // selection takes at most two CTAs per SM (beside_selection). At B = 1
+    // the attention fits beside it anyway and the carveout only cost L1
+    // (0.5 us); at B = 8 it saved 0.9 us of the step (H200, T = 256K).
     auto selection = selection_arguments(args_);
-    const std::int64_t selection_ctas = std::int64_t{args_.batch} * args_.cache.kv_heads * select::detail::kSelectCluster;
     const std::int64_t attention_ctas = std::int64_t{attention_plan_.splits} * attention_plan_.head_splits *
                                         attention_plan_.kv_heads * attention_plan_.batch;
     selection.max_shared_carveout =
-        selection_ctas <= 2 * std::int64_t{gpu_.sms} &&
-        attention_ctas > (gpu_.sms - std::min<std::int64_t>(selection_ctas, gpu_.sms)) * attention_plan_.ctas_per_sm;
+        beside_selection(args_, gpu_) &&
+        attention_ctas > (gpu_.sms - std::min<std::int64_t>(selection_ctas(args_), gpu_.sms)) * attention_plan_.ctas_per_sm;
     HISPARSE_TRY(select::select_decode_async(cfg_, selection, selection_output(), stream));
     return launch_attention(stream, /*overlap_previous=*/true);
   }
@@ -208,10 +207,29 @@ class hierarchical_decode {
     attention::decode_attention_plan attention_plan;
   };
 
+  /// The selection's CTAs for `a` (an upper bound: clusters of
+  /// kSelectCluster where the device runs them).
+  static std::int64_t selection_ctas(const arguments& a) {
+    return std::int64_t{a.batch} * a.cache.kv_heads * select::detail::kSelectCluster;
+  }
+  /// Whether the attention's CTAs start beside the selection's: at most two
+  /// selection CTAs per SM. Then the selection's writers (one CTA per
+  /// (sequence, KV head), ranking the slices after the others have left)
+  /// keep their slots until it ends, and the attention is planned for the
+  /// wave less those slots: at B = 8, T = 256K, 3 splits instead of 4, and
+  /// the step 38.1 us instead of 40.3 (the fourth split's CTAs did not all
+  /// find a slot, and finished ~3 us after the rest; H200). With top-k 32
+  /// the same rule costs 1.6 us (more kept slices per CTA): a rule that
+  /// weighs both is open.
+  static bool beside_selection(const arguments& a, const attention::gpu_limits& gpu) {
+    return selection_ctas(a) <= 2 * std::int64_t{gpu.sms};
+  }
+
   /// [attention workspace (merge counters first) | kept slices | counts | windows]
   status make_layout(const arguments& a, const attention::gpu_limits& gpu, int counter_batch, layout& l) const {
     HISPARSE_TRY(attention::plan_decode_attention<Tile>(attention_arguments(a, nullptr, nullptr), gpu,
-                                                        l.attention_plan, counter_batch));
+                                                        l.attention_plan, counter_batch,
+                                                        beside_selection(a, gpu) ? a.batch * a.cache.kv_heads : 0));
     auto align = [](std::size_t x) { return (x + 255) / 256 * 256; };
     const std::size_t rows = static_cast<std::size_t>(a.batch) * a.cache.kv_heads;
     l.attention = 0;
