@@ -167,11 +167,21 @@ step_output run_step(const test::problem<T>& p, Cache& cache, const std::vector<
   return g;
 }
 
-/// Runs the dense baseline, or the attention kernel with a given number of
-/// SMs to plan for (1 forces a single split per (sequence, KV head)).
+/// A selection on the device for the attention kernel alone: kept lists
+/// [batch][kv_heads][top_k_fine] and their counts.
+struct device_selection {
+  const std::int32_t* kept = nullptr;
+  const std::int32_t* num = nullptr;
+  int top_k_fine = 0;
+  int window = 0;
+};
+
+/// Runs the attention kernel alone -- dense (every slice), or sparse over
+/// `sel` -- with a given number of SMs to plan for (1 forces a single split
+/// per (sequence, KV head)); max_items 0: the cache's max_slices.
 template <class T, class Cache>
-step_output run_dense(const test::problem<T>& p, Cache& cache, const std::vector<int>& slots, int plan_sms = 0,
-                      std::int32_t max_items = 0) {
+step_output run_attention(const test::problem<T>& p, Cache& cache, const std::vector<int>& slots, int plan_sms,
+                          std::int32_t max_items, const device_selection* sel = nullptr) {
   const int B = static_cast<int>(p.lengths.size()), Hq = p.shape.num_q_heads, D = p.shape.head_dim;
   dev<std::int32_t> d_slots(std::vector<std::int32_t>(slots.begin(), slots.end()));
   dev<T> d_q(p.queries), out(static_cast<std::size_t>(B) * Hq * D);
@@ -184,6 +194,12 @@ step_output run_dense(const test::problem<T>& p, Cache& cache, const std::vector
   a.batch = B;
   a.num_q_heads = Hq;
   a.cache = cache.ref();
+  if (sel != nullptr) {
+    a.kept_slices = sel->kept;
+    a.num_slices = sel->num;
+    a.top_k_fine = sel->top_k_fine;
+    a.window = sel->window;
+  }
   a.max_items = max_items > 0 ? max_items : cache.ref().max_slices;
   a.out = out.ptr;
   a.lse = lse.ptr;
@@ -201,6 +217,13 @@ step_output run_dense(const test::problem<T>& p, Cache& cache, const std::vector
   for (const T x : out.download()) g.out.push_back(to_double(x));
   g.lse = lse.download();
   return g;
+}
+
+/// The dense baseline alone (see run_attention).
+template <class T, class Cache>
+step_output run_dense(const test::problem<T>& p, Cache& cache, const std::vector<int>& slots, int plan_sms = 0,
+                      std::int32_t max_items = 0) {
+  return run_attention(p, cache, slots, plan_sms, max_items);
 }
 
 /// Selected sets equal the reference's wherever no near-tie decides them;
@@ -436,39 +459,13 @@ TEST_CASE("sparse attention over any kept list; a kept count past top_k_fine giv
     }
   }
   g.num[static_cast<std::size_t>(1 * Hkv + 0)] = kf + 1;
-  dev<std::int32_t> d_slots(std::vector<std::int32_t>(slots.begin(), slots.end())), d_kept(g.kept), d_num(g.num);
-  dev<__nv_bfloat16> d_q(p.queries);
+  dev<std::int32_t> d_kept(g.kept), d_num(g.num);
+  const device_selection sel{d_kept.ptr, d_num.ptr, kf, cfg.window};
   for (const int plan_sms : {0, 1}) {  // the GPU's split count, and one split per row
     INFO("planned for " << (plan_sms == 0 ? "this GPU" : "1 SM"));
-    dev<__nv_bfloat16> out(static_cast<std::size_t>(B) * Hq * D);
-    dev<float> lse(static_cast<std::size_t>(B) * Hq);
-    out.poison(nullptr);
-    lse.poison(nullptr);
-    attention::decode_attention_arguments<__nv_bfloat16> a;
-    a.queries = d_q.ptr;
-    a.slots = d_slots.ptr;
-    a.batch = B;
-    a.num_q_heads = Hq;
-    a.cache = cache.ref();
-    a.kept_slices = d_kept.ptr;
-    a.num_slices = d_num.ptr;
-    a.top_k_fine = kf;
-    a.window = cfg.window;
-    a.max_items = attention::sparse_max_items(cfg);
-    a.out = out.ptr;
-    a.lse = lse.ptr;
-    attention::gpu_limits gpu;
-    REQUIRE(attention::current_gpu_limits(gpu) == status::success);
-    if (plan_sms != 0) gpu.sms = plan_sms;
-    attention::decode_attention_plan plan;
-    REQUIRE(attention::plan_decode_attention(a, gpu, plan) == status::success);
-    dev<char> ws(std::max<std::size_t>(plan.workspace_bytes, 1));
-    REQUIRE(attention::initialize_decode_attention_workspace(plan, ws.ptr) == status::success);
-    REQUIRE(attention::decode_attention_async(plan, a, ws.ptr) == status::success);
-    HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
-    std::vector<double> o;
-    for (const auto x : out.download()) o.push_back(to_double(x));
-    const auto l = lse.download();
+    const auto run = run_attention(p, cache, slots, plan_sms, attention::sparse_max_items(cfg), &sel);
+    const auto& o = run.out;
+    const auto& l = run.lse;
     double worst = 0;
     for (int b = 0; b < B; ++b)
       for (int h = 0; h < Hkv; ++h) {
