@@ -159,20 +159,7 @@ class hierarchical_decode {
   /// programmatic dependent of the selection: its CTAs start while the
   /// selection drains and wait for it only before reading the kept slices.
   [[nodiscard]] status run(cudaStream_t stream = nullptr) const {
-    if (!planned_) return fail(status::invalid_argument, "hierarchical decode: run before plan");
-    // The selection's SMs keep their shared memory for the attention's CTAs
-    // to start beside it where that is needed and possible: the attention's
-    // grid does not fit on the SMs the selection leaves free, and the
-    // selection takes at most two CTAs per SM (beside_selection). At B = 1
-    // the attention fits beside it anyway and the carveout only cost L1
-    // (0.5 us); at B = 8 it saved 0.9 us of the step (H200, T = 256K).
-    auto selection = selection_arguments(args_);
-    const std::int64_t attention_ctas = std::int64_t{attention_plan_.splits} * attention_plan_.head_splits *
-                                        attention_plan_.kv_heads * attention_plan_.batch;
-    selection.max_shared_carveout =
-        beside_selection(args_, gpu_) &&
-        attention_ctas > (gpu_.sms - std::min<std::int64_t>(selection_ctas(args_), gpu_.sms)) * attention_plan_.ctas_per_sm;
-    HISPARSE_TRY(select::select_decode_async(cfg_, selection, selection_output(), stream));
+    HISPARSE_TRY(launch_selection(stream, selection_carveout_));
     return launch_attention(stream, /*overlap_previous=*/true);
   }
 
@@ -180,8 +167,7 @@ class hierarchical_decode {
   /// selection (writes kept_slices()), and the attention over the last
   /// selection's kept slices, launched as an ordinary kernel.
   [[nodiscard]] status run_selection(cudaStream_t stream = nullptr) const {
-    if (!planned_) return fail(status::invalid_argument, "hierarchical decode: run before plan");
-    return select::select_decode_async(cfg_, selection_arguments(args_), selection_output(), stream);
+    return launch_selection(stream, /*max_shared_carveout=*/false);
   }
   [[nodiscard]] status run_attention(cudaStream_t stream = nullptr) const {
     return launch_attention(stream, /*overlap_previous=*/false);
@@ -195,6 +181,12 @@ class hierarchical_decode {
   [[nodiscard]] const attention::decode_attention_plan& attention_plan() const { return attention_plan_; }
 
  private:
+  status launch_selection(cudaStream_t stream, bool max_shared_carveout) const {
+    if (!planned_) return fail(status::invalid_argument, "hierarchical decode: run before plan");
+    auto selection = selection_arguments(args_);
+    selection.max_shared_carveout = max_shared_carveout;
+    return select::select_decode_async(cfg_, selection, selection_output(), stream);
+  }
   status launch_attention(cudaStream_t stream, bool overlap_previous) const {
     if (!planned_) return fail(status::invalid_argument, "hierarchical decode: run before plan");
     return attention::decode_attention_async<T, Tile>(attention_plan_,
@@ -205,6 +197,7 @@ class hierarchical_decode {
   struct layout {
     std::size_t attention = 0, kept = 0, num = 0, window = 0, total = 0;
     attention::decode_attention_plan attention_plan;
+    bool selection_carveout = false;  ///< run() asks the selection for max_shared_carveout
   };
 
   /// The selection's CTAs for `a` (an upper bound: clusters of
@@ -227,9 +220,20 @@ class hierarchical_decode {
 
   /// [attention workspace (merge counters first) | kept slices | counts | windows]
   status make_layout(const arguments& a, const attention::gpu_limits& gpu, int counter_batch, layout& l) const {
+    const bool beside = beside_selection(a, gpu);
     HISPARSE_TRY(attention::plan_decode_attention<Tile>(attention_arguments(a, nullptr, nullptr), gpu,
                                                         l.attention_plan, counter_batch,
-                                                        beside_selection(a, gpu) ? a.batch * a.cache.kv_heads : 0));
+                                                        beside ? a.batch * a.cache.kv_heads : 0));
+    // The selection's SMs keep their shared memory for the attention's CTAs
+    // to start beside it where that is needed and possible: the attention's
+    // grid does not fit on the SMs the selection leaves free, and the
+    // selection takes at most two CTAs per SM. At B = 1 the attention fits
+    // beside it anyway and the carveout only cost L1 (0.5 us); at B = 8 it
+    // saved 0.9 us of the step (H200, T = 256K).
+    const auto& ap = l.attention_plan;
+    const std::int64_t attention_ctas = std::int64_t{ap.splits} * ap.head_splits * ap.kv_heads * ap.batch;
+    const std::int64_t free_sms = gpu.sms - std::min<std::int64_t>(selection_ctas(a), gpu.sms);
+    l.selection_carveout = beside && attention_ctas > free_sms * ap.ctas_per_sm;
     auto align = [](std::size_t x) { return (x + 255) / 256 * 256; };
     const std::size_t rows = static_cast<std::size_t>(a.batch) * a.cache.kv_heads;
     l.attention = 0;
@@ -247,6 +251,7 @@ class hierarchical_decode {
     num_slices_ = reinterpret_cast<std::int32_t*>(base + l.num);
     window_begin_ = reinterpret_cast<std::int32_t*>(base + l.window);
     attention_plan_ = l.attention_plan;
+    selection_carveout_ = l.selection_carveout;
     args_ = a;
   }
 
@@ -279,6 +284,7 @@ class hierarchical_decode {
   SparseAttentionConfig cfg_;
   arguments args_{};
   attention::decode_attention_plan attention_plan_{};
+  bool selection_carveout_ = false;
   std::int32_t* kept_slices_ = nullptr;
   std::int32_t* num_slices_ = nullptr;
   std::int32_t* window_begin_ = nullptr;
