@@ -261,6 +261,27 @@ TEST_CASE("batched_topk on adversarial rows: ties, sorted inputs, infinities, Na
   }
 }
 
+TEST_CASE("batched_topk on rows whose filter leaves many tied survivors (the block's multi-pass sort)", "[gpu][topk]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  workload::splitmix64 rng(seed);
+  // Normal scores rounded to a grid of 1 / q: the block filter's threshold
+  // lands on a level shared by ~60-500 entries of a 4096 row, so its sort
+  // takes one to seven 128-key passes, and most of what it orders are ties
+  // that only the index breaks.
+  for (const int n : {1000, 4096, 4097}) {
+    for (const int q : {1, 2, 4}) {
+      INFO("n " << n << ", grid 1/" << q);
+      problem p(64, n, n);
+      for (int r = 0; r < p.rows; ++r)
+        for (int i = 0; i < n; ++i) p.at(r, i) = std::round(static_cast<float>(rng.normal()) * q) / q;
+      p.hide_invalid();
+      check_all_k(p, {1, 16, 33, 64});
+    }
+  }
+}
+
 TEST_CASE("batched_topk pads rows shorter than k with (-inf, -1)", "[gpu][topk]") {
   HISPARSE_REQUIRE_GPU();
   struct shape {

@@ -8,9 +8,9 @@
 //   registers, then k rounds of two `redux.sync` maxima take the largest
 //   head across the lanes (detail::extract_top). No data-dependent path.
 // - a block from fp32 scores (k <= Threads / 4): a threshold from the lanes'
-//   maxima that at least k scores reach, float compares against it, keys
-//   built for the survivors alone (~110 of 4096 for k = 64), each ranked
-//   against all of them in shared memory.
+//   maxima that at least k scores reach, float compares against it, the
+//   survivors (~110 of 4096 for k = 64) placed by a warp scan and sorted by
+//   one warp (a bitonic network in registers, 128 keys a pass).
 // - otherwise, and where the filter leaves too many or too few survivors
 //   (ties, sorted rows, NaNs): radix select with 1-bit digits. 32 rounds
 //   over the high word (the score) find the k-th largest score, and only
@@ -211,7 +211,8 @@ class warp_topk {
 /// largest are all at or above it; the survivors (~110 for k = 64 of 4096
 /// random keys) are ranked against each other in shared memory.
 /// `select_scores`, which starts from fp32 scores, filters with float
-/// compares and builds keys for the survivors alone. Too many survivors
+/// compares, builds keys for the survivors alone and sorts them on one warp
+/// (sort_survivors, up to 2 * Threads of them). Too many survivors
 /// (ties, sorted or short rows), or too few (NaNs), take the radix select,
 /// whose rounds each count one bit of the k-th key across the block.
 template <int Threads, int E>
@@ -266,8 +267,7 @@ class block_topk {
   /// past the k-th score and send the row to the radix path).
   __device__ int select_scores(const float (&x)[E], int first, int len, int k, topk_key* sorted) {
     if (k <= kFilterK) {  // uniform
-      const int found = filter_scores(x, first, len, k, sorted);
-      if (found >= 0) return found;
+      if (filter_scores(x, first, len, k, sorted)) return k;
     }
     // The radix path reads each key back from shared memory: the score word
     // this thread parked there (only it reads its words, and every pass
@@ -407,12 +407,13 @@ class block_topk {
 
   /// select_scores' filter: the same threshold, on floats (a NaN never
   /// passes `>=`), so the check that at least k entries passed is what
-  /// proves the k largest are among them. Each survivor is ranked by one
-  /// thread against all of them (short, independent shared loads: a warp
-  /// extracting the k largest one round at a time kept the other warps
-  /// waiting at the barrier for half the kernel on the H200). -1 (and
-  /// nothing written) when fewer than k or more than Threads pass.
-  __device__ int filter_scores(const float (&x)[E], int first, int len, int k, topk_key* sorted) {
+  /// proves the k largest are among them. The survivors are placed by a warp
+  /// scan of per-thread bit masks (one shared atomic per warp) as (score,
+  /// index) pairs, and one warp sorts them (sort_survivors). False (and
+  /// nothing written) when fewer than k or more than kSortCap pass. (A bool,
+  /// not the count: with a count the compiler cannot tell the sorted path
+  /// from the radix one and keeps x alive through the sort, spilling it.)
+  __device__ bool filter_scores(const float (&x)[E], int first, int len, int k, topk_key* sorted) {
     const int t = static_cast<int>(threadIdx.x), lane = t & 31;
     float m = x[0];
 #pragma unroll
@@ -430,55 +431,135 @@ class block_topk {
     if (t == 0) storage_.fill = 0;
     if (lane == 0) storage_.warp_min[t / 32] = static_cast<std::uint32_t>(o);
     __syncthreads();
-    int lowest = INT_MAX;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) lowest = min(lowest, static_cast<int>(storage_.warp_min[w]));
+    // The smallest warp threshold: one shared load a lane and a redux (kWarps <= 32).
+    const int lowest =
+        __reduce_min_sync(kFullMask, lane < kWarps ? static_cast<int>(storage_.warp_min[lane]) : INT_MAX);
     const float threshold = __int_as_float(detail::ordered_int(lowest));  // INT_MIN -> NaN: none pass
-    // Survivors get consecutive slots, one shared atomic per warp: a first
-    // pass counts the warp's survivors by ballots, the second places them.
+    // This thread's survivors as bits j (entries at or past len never count).
     const int rest = len - first - t;  // this thread's entries below len: ceil(rest / Threads)
-    const int valid = rest <= 0 ? 0 : (rest + Threads - 1) / Threads;
-    auto take = [&](int j) { return x[j] >= threshold && j < valid; };
-    unsigned total = 0;
+    const int valid = rest <= 0 ? 0 : min(E, (rest + Threads - 1) / Threads);
+    unsigned mask = 0;
 #pragma unroll
-    for (int j = 0; j < E; ++j) total += __popc(__ballot_sync(kFullMask, take(j)));
+    for (int j = 0; j < E; ++j) mask |= (x[j] >= threshold ? 1u : 0u) << j;
+    mask &= (1u << valid) - 1u;  // valid <= E <= 16
+    const int mine = __popc(mask);
+    int before = mine;  // inclusive scan over the warp's lanes
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y = __shfl_up_sync(kFullMask, before, off);
+      if (lane >= off) before += y;
+    }
+    const unsigned warp_total = __shfl_sync(kFullMask, before, 31);
     unsigned base = 0;
-    if (lane == 0 && total != 0) base = atomicAdd(&storage_.fill, total);
-    base = __shfl_sync(kFullMask, base, 0);
-    const unsigned below = (1u << lane) - 1u;
-    // 16-byte aligned (two keys a load in the ranking below), sized for
-    // Threads + 1 keys: sort_capacity leaves kSurvivors = 2 * Threads.
-    topk_key* survivors = sorted + (pow2(k) + 1) / 2 * 2;
+    if (lane == 31 && warp_total != 0) base = atomicAdd(&storage_.fill, warp_total);
+    base = __shfl_sync(kFullMask, base, 31);
+    // (score bits, index) pairs; sort_capacity leaves kSurvivors >= kSortCap keys here.
+    auto* pairs = reinterpret_cast<uint2*>(sorted + pow2(k));
+    if (base + warp_total <= static_cast<unsigned>(kSortCap)) {  // uniform; more sends the row to the radix path
+      // One shared address, advanced per survivor: three instructions a
+      // slot (test, store, add), not the pointer rebuilt for every store.
+      unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(pairs + base + (before - mine)));
+      const unsigned index = static_cast<unsigned>(first + t);
 #pragma unroll
-    for (int j = 0; j < E; ++j) {
-      const unsigned ballot = __ballot_sync(kFullMask, take(j));
-      if (ballot != 0u) {  // uniform: most slots of a warp have no survivor
-        const unsigned pos = base + __popc(ballot & below);
-        if (take(j) && pos < static_cast<unsigned>(Threads)) survivors[pos] = make_key(x[j], first + j * Threads + t);
-        base += __popc(ballot);
-      }
+      for (int j = 0; j < E; ++j)
+        if (mask & (1u << j)) {
+          asm("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(at), "r"(__float_as_uint(x[j])), "r"(index + j * Threads)
+              : "memory");
+          at += sizeof(uint2);
+        }
     }
     __syncthreads();
     const int n = static_cast<int>(storage_.fill);
-    if (n < k || n > Threads) {
+    if (n < k || n > kSortCap) {
       __syncthreads();  // every thread has read fill before the radix path reuses it
-      return -1;
+      return false;
     }
-    if (t == 0) survivors[n] = kNoCandidate;  // pads an odd count for the paired loads (below every key)
+    if (t < 32) {  // uniform per warp
+      if (n <= 32)  // one pass of 32, 64 or 128 keys, or several of 128
+        sort_survivors<1>(pairs, n, k, sorted);
+      else if (n <= 64)
+        sort_survivors<2>(pairs, n, k, sorted);
+      else
+        sort_survivors<kSortKeys / 32>(pairs, n, k, sorted);
+    }
     __syncthreads();
-    if (t < n) {  // a survivor's rank is the number of survivors above it
-      const topk_key key = survivors[t];
-      int rank = 0;
-      const auto* pairs = reinterpret_cast<const ulonglong2*>(survivors);
-#pragma unroll 2
-      for (int u = 0; u < (n + 1) / 2; ++u) {
-        const ulonglong2 two = pairs[u];
-        rank += (two.x > key ? 1 : 0) + (two.y > key ? 1 : 0);
+    return true;
+  }
+
+  /// Keys one warp sorts at a time: 4 a lane (the register bound of 6 CTAs
+  /// an SM leaves no room for 8).
+  static constexpr int kSortKeys = 128;
+  static constexpr int kSortCap = kSurvivors;  ///< survivors the sort takes; more go to the radix path
+  static_assert(kFilterK < kSortKeys, "each sort pass must take in at least one new survivor");
+
+  /// On one warp: the k largest of the n (score bits, index) pairs (k <= n
+  /// <= kSortCap) to sorted[0, k), descending. A pass loads up to 32 KPL keys
+  /// (lane l holds e = KPL l + j: the k kept by the last pass from sorted[],
+  /// then the next pairs, kNoCandidate past them), sorts them by a bitonic
+  /// network in registers (strides 1 and 2 within a lane, the rest by
+  /// shuffles) and keeps the first k; n <= 32 KPL takes one pass. ~650
+  /// instructions for 128 keys, where ranking each survivor against all of
+  /// them took ~2.6K a row (Nsight Compute, 8192 x 4096, k = 64).
+  template <int KPL>
+  __device__ static void sort_survivors(const uint2* pairs, int n, int k, topk_key* sorted) {
+    constexpr int kKeys = 32 * KPL;
+    int carried = 0, done = 0;
+#pragma unroll 1
+    do {
+      // Read the lane inside the loop: computed once outside, every stage's
+      // direction test would be hoisted and held in registers.
+      int lane = static_cast<int>(threadIdx.x) & 31;
+      asm volatile("" : "+r"(lane));
+      const int taken = min(n - done, kKeys - carried);
+      topk_key v[KPL];
+#pragma unroll
+      for (int j = 0; j < KPL; ++j) {
+        const int e = lane * KPL + j;
+        if (e < carried) {
+          v[j] = sorted[e];
+        } else if (e < carried + taken) {
+          const uint2 pr = pairs[done + e - carried];
+          v[j] = make_key(__uint_as_float(pr.x), static_cast<std::int32_t>(pr.y));
+        } else {
+          v[j] = kNoCandidate;
+        }
       }
-      if (rank < k) sorted[rank] = key;
-    }
-    __syncthreads();
-    return k;
+#pragma unroll
+      for (int size = 2; size <= kKeys; size <<= 1) {
+#pragma unroll
+        for (int stride = size / 2; stride > 0; stride >>= 1) {
+          if (stride < KPL) {  // both keys in this lane
+#pragma unroll
+            for (int j = 0; j < KPL; ++j) {
+              const int jp = j ^ stride;
+              if (jp > j) {
+                const bool desc = ((lane * KPL + j) & size) == 0;
+                const topk_key a = v[j], b = v[jp];
+                const bool swap = desc ? a < b : b < a;
+                v[j] = swap ? b : a;
+                v[jp] = swap ? a : b;
+              }
+            }
+          } else {  // the partner is lane ^ (stride / KPL), same j
+            const int lmask = stride / KPL;
+            const bool lower = (lane & lmask) == 0;
+            const bool desc = ((lane * KPL) & size) == 0;  // size > stride >= KPL: j does not matter
+#pragma unroll
+            for (int j = 0; j < KPL; ++j) {
+              const topk_key other = __shfl_xor_sync(kFullMask, v[j], lmask);
+              v[j] = ((other > v[j]) == (lower == desc)) ? other : v[j];
+            }
+          }
+        }
+      }
+      __syncwarp();  // every lane has read sorted[] before it is rewritten
+#pragma unroll
+      for (int j = 0; j < KPL; ++j)
+        if (lane * KPL + j < k) sorted[lane * KPL + j] = v[j];
+      __syncwarp();
+      done += taken;
+      carried = k;
+    } while (done < n);
   }
 
   /// Block-wide count of keys satisfying pred: one redux per warp, one
