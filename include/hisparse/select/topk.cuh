@@ -200,6 +200,106 @@ class warp_topk {
   TempStorage& storage_;
 };
 
+namespace detail {
+
+/// Sorts 32 KPL keys across a warp, descending, by a bitonic network in
+/// registers: lane l holds elements e = KPL l + j, so strides below KPL
+/// stay within a lane and the rest take one 64-bit shuffle per key. 28 steps
+/// for 128 keys (KPL = 4), 21 for 64, 15 for 32. Every lane calls it.
+template <int KPL>
+__device__ __forceinline__ void warp_bitonic_sort(topk_key (&v)[KPL]) {
+  // The lane as a value the compiler cannot treat as loop-invariant: inside
+  // a caller's loop, each step's direction test would otherwise be hoisted
+  // and held in a register.
+  int lane = static_cast<int>(threadIdx.x) & 31;
+  asm volatile("" : "+r"(lane));
+#pragma unroll
+  for (int size = 2; size <= 32 * KPL; size <<= 1) {
+#pragma unroll
+    for (int stride = size / 2; stride > 0; stride >>= 1) {
+      if (stride < KPL) {  // both keys in this lane
+#pragma unroll
+        for (int j = 0; j < KPL; ++j) {
+          const int jp = j ^ stride;
+          if (jp > j) {
+            const bool desc = ((lane * KPL + j) & size) == 0;
+            const topk_key a = v[j], b = v[jp];
+            const bool swap = desc ? a < b : b < a;
+            v[j] = swap ? b : a;
+            v[jp] = swap ? a : b;
+          }
+        }
+      } else {  // the partner is lane ^ (stride / KPL), same j
+        const int lmask = stride / KPL;
+        const bool lower = (lane & lmask) == 0;
+        const bool desc = ((lane * KPL) & size) == 0;  // size > stride >= KPL: j does not matter
+#pragma unroll
+        for (int j = 0; j < KPL; ++j) {
+          const topk_key other = __shfl_xor_sync(kFullMask, v[j], lmask);
+          v[j] = ((other > v[j]) == (lower == desc)) ? other : v[j];
+        }
+      }
+    }
+  }
+}
+
+/// Keys warp_top_k sorts in one pass at most: 4 a lane (block_topk's
+/// register bound of 6 CTAs an SM leaves no room for 8).
+inline constexpr int kWarpSortKeys = 128;
+
+/// One warp's k largest of n (score bits, index) pairs in shared memory
+/// (1 <= k <= n, k < 32 KPL), as keys, descending, to out[0, k) (shared, not
+/// overlapping pairs). A pass loads up to 32 KPL keys -- the k kept by the
+/// last pass from out[], then the next pairs, kNoCandidate past them --
+/// sorts them (warp_bitonic_sort) and keeps the first k; n <= 32 KPL takes
+/// one pass. Every lane calls it.
+template <int KPL>
+__device__ void warp_top_k_passes(const uint2* pairs, int n, int k, topk_key* out) {
+  constexpr int kKeys = 32 * KPL;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  int carried = 0, done = 0;
+#pragma unroll 1
+  do {
+    const int taken = min(n - done, kKeys - carried);
+    topk_key v[KPL];
+#pragma unroll
+    for (int j = 0; j < KPL; ++j) {
+      const int e = lane * KPL + j;
+      if (e < carried) {
+        v[j] = out[e];
+      } else if (e < carried + taken) {
+        const uint2 pr = pairs[done + e - carried];
+        v[j] = make_key(__uint_as_float(pr.x), static_cast<std::int32_t>(pr.y));
+      } else {
+        v[j] = kNoCandidate;
+      }
+    }
+    warp_bitonic_sort(v);
+    __syncwarp();  // every lane has read out[] before it is rewritten
+#pragma unroll
+    for (int j = 0; j < KPL; ++j)
+      if (lane * KPL + j < k) out[lane * KPL + j] = v[j];
+    __syncwarp();
+    done += taken;
+    carried = k;
+  } while (done < n);
+}
+
+/// warp_top_k_passes with the smallest sort that holds n (32, 64 or 128
+/// keys), and passes of 128 above that: k < 128, any n >= k. ~650
+/// instructions for 128 keys, where ranking each of ~110 survivors against
+/// all of them took ~2.6K (Nsight Compute, block top-k of 4096, k = 64).
+__device__ __forceinline__ void warp_top_k(const uint2* pairs, int n, int k, topk_key* out) {
+  if (n <= 32)
+    warp_top_k_passes<1>(pairs, n, k, out);
+  else if (n <= 64)
+    warp_top_k_passes<2>(pairs, n, k, out);
+  else
+    warp_top_k_passes<kWarpSortKeys / 32>(pairs, n, k, out);
+}
+
+}  // namespace detail
+
 /// Block-wide top-k of E keys per thread, k <= 2048. The caller provides
 /// `sorted`, a shared array of at least `sort_capacity(k)` keys, which holds
 /// the result in descending order (padding kNoCandidate after the
@@ -212,7 +312,7 @@ class warp_topk {
 /// random keys) are ranked against each other in shared memory.
 /// `select_scores`, which starts from fp32 scores, filters with float
 /// compares, builds keys for the survivors alone and sorts them on one warp
-/// (sort_survivors, up to 2 * Threads of them). Too many survivors
+/// (detail::warp_top_k, up to 2 * Threads of them). Too many survivors
 /// (ties, sorted or short rows), or too few (NaNs), take the radix select,
 /// whose rounds each count one bit of the k-th key across the block.
 template <int Threads, int E>
@@ -226,6 +326,9 @@ class block_topk {
     while (p < k) p <<= 1;
     return p;
   }
+  /// pow2 in three instructions, for the kernels (k >= 1; the loop above
+  /// runs one uniform round per doubling, 7 at k = 64, in every warp).
+  __device__ static int pow2_fast(int k) { return k <= 1 ? 1 : 1 << (32 - __clz(k - 1)); }
 
  public:
   static constexpr int kFilterK = Threads / 4;  ///< the largest k the threshold filter takes
@@ -337,7 +440,7 @@ class block_topk {
     }
     __syncthreads();
     const int found = static_cast<int>(min(storage_.fill, want));
-    const int cap = pow2(k);  // the bitonic network needs a power of two (not sort_capacity)
+    const int cap = pow2_fast(k);  // the bitonic network needs a power of two (not sort_capacity)
     for (int i = found + static_cast<int>(threadIdx.x); i < cap; i += Threads) sorted[i] = kNoCandidate;
     for (int size = 2; size <= cap; size <<= 1)
       for (int stride = size / 2; stride > 0; stride >>= 1) {
@@ -380,7 +483,7 @@ class block_topk {
 #pragma unroll
     for (int i = 0; i < kWarps; ++i) floor_hi = min(floor_hi, storage_.warp_min[i]);
     const topk_key threshold = static_cast<topk_key>(floor_hi) << 32;
-    topk_key* survivors = sorted + pow2(k);
+    topk_key* survivors = sorted + pow2_fast(k);
 #pragma unroll
     for (int j = 0; j < E; ++j) {  // one shared atomic per warp and key slot that has survivors
       const bool take = keys[j] >= threshold && keys[j] != kNoCandidate;
@@ -400,7 +503,7 @@ class block_topk {
       for (int u = 0; u < n; ++u) rank += survivors[u] > key ? 1 : 0;
       if (rank < k) sorted[rank] = key;
     }
-    for (int i = found + t; i < pow2(k); i += Threads) sorted[i] = kNoCandidate;
+    for (int i = found + t; i < pow2_fast(k); i += Threads) sorted[i] = kNoCandidate;
     __syncthreads();
     return found;
   }
@@ -409,7 +512,7 @@ class block_topk {
   /// passes `>=`), so the check that at least k entries passed is what
   /// proves the k largest are among them. The survivors are placed by a warp
   /// scan of per-thread bit masks (one shared atomic per warp) as (score,
-  /// index) pairs, and one warp sorts them (sort_survivors). False (and
+  /// index) pairs, and one warp sorts them (detail::warp_top_k). False (and
   /// nothing written) when fewer than k or more than kSortCap pass. (A bool,
   /// not the count: with a count the compiler cannot tell the sorted path
   /// from the radix one and keeps x alive through the sort, spilling it.)
@@ -454,7 +557,7 @@ class block_topk {
     if (lane == 31 && warp_total != 0) base = atomicAdd(&storage_.fill, warp_total);
     base = __shfl_sync(kFullMask, base, 31);
     // (score bits, index) pairs; sort_capacity leaves kSurvivors >= kSortCap keys here.
-    auto* pairs = reinterpret_cast<uint2*>(sorted + pow2(k));
+    auto* pairs = reinterpret_cast<uint2*>(sorted + pow2_fast(k));
     if (base + warp_total <= static_cast<unsigned>(kSortCap)) {  // uniform; more sends the row to the radix path
       // One shared address, advanced per survivor: three instructions a
       // slot (test, store, add), not the pointer rebuilt for every store.
@@ -474,93 +577,13 @@ class block_topk {
       __syncthreads();  // every thread has read fill before the radix path reuses it
       return false;
     }
-    if (t < 32) {  // uniform per warp
-      if (n <= 32)  // one pass of 32, 64 or 128 keys, or several of 128
-        sort_survivors<1>(pairs, n, k, sorted);
-      else if (n <= 64)
-        sort_survivors<2>(pairs, n, k, sorted);
-      else
-        sort_survivors<kSortKeys / 32>(pairs, n, k, sorted);
-    }
+    if (t < 32) detail::warp_top_k(pairs, n, k, sorted);  // uniform per warp
     __syncthreads();
     return true;
   }
 
-  /// Keys one warp sorts at a time: 4 a lane (the register bound of 6 CTAs
-  /// an SM leaves no room for 8).
-  static constexpr int kSortKeys = 128;
-  static constexpr int kSortCap = kSurvivors;  ///< survivors the sort takes; more go to the radix path
-  static_assert(kFilterK < kSortKeys, "each sort pass must take in at least one new survivor");
-
-  /// On one warp: the k largest of the n (score bits, index) pairs (k <= n
-  /// <= kSortCap) to sorted[0, k), descending. A pass loads up to 32 KPL keys
-  /// (lane l holds e = KPL l + j: the k kept by the last pass from sorted[],
-  /// then the next pairs, kNoCandidate past them), sorts them by a bitonic
-  /// network in registers (strides 1 and 2 within a lane, the rest by
-  /// shuffles) and keeps the first k; n <= 32 KPL takes one pass. ~650
-  /// instructions for 128 keys, where ranking each survivor against all of
-  /// them took ~2.6K a row (Nsight Compute, 8192 x 4096, k = 64).
-  template <int KPL>
-  __device__ static void sort_survivors(const uint2* pairs, int n, int k, topk_key* sorted) {
-    constexpr int kKeys = 32 * KPL;
-    int carried = 0, done = 0;
-#pragma unroll 1
-    do {
-      // Read the lane inside the loop: computed once outside, every stage's
-      // direction test would be hoisted and held in registers.
-      int lane = static_cast<int>(threadIdx.x) & 31;
-      asm volatile("" : "+r"(lane));
-      const int taken = min(n - done, kKeys - carried);
-      topk_key v[KPL];
-#pragma unroll
-      for (int j = 0; j < KPL; ++j) {
-        const int e = lane * KPL + j;
-        if (e < carried) {
-          v[j] = sorted[e];
-        } else if (e < carried + taken) {
-          const uint2 pr = pairs[done + e - carried];
-          v[j] = make_key(__uint_as_float(pr.x), static_cast<std::int32_t>(pr.y));
-        } else {
-          v[j] = kNoCandidate;
-        }
-      }
-#pragma unroll
-      for (int size = 2; size <= kKeys; size <<= 1) {
-#pragma unroll
-        for (int stride = size / 2; stride > 0; stride >>= 1) {
-          if (stride < KPL) {  // both keys in this lane
-#pragma unroll
-            for (int j = 0; j < KPL; ++j) {
-              const int jp = j ^ stride;
-              if (jp > j) {
-                const bool desc = ((lane * KPL + j) & size) == 0;
-                const topk_key a = v[j], b = v[jp];
-                const bool swap = desc ? a < b : b < a;
-                v[j] = swap ? b : a;
-                v[jp] = swap ? a : b;
-              }
-            }
-          } else {  // the partner is lane ^ (stride / KPL), same j
-            const int lmask = stride / KPL;
-            const bool lower = (lane & lmask) == 0;
-            const bool desc = ((lane * KPL) & size) == 0;  // size > stride >= KPL: j does not matter
-#pragma unroll
-            for (int j = 0; j < KPL; ++j) {
-              const topk_key other = __shfl_xor_sync(kFullMask, v[j], lmask);
-              v[j] = ((other > v[j]) == (lower == desc)) ? other : v[j];
-            }
-          }
-        }
-      }
-      __syncwarp();  // every lane has read sorted[] before it is rewritten
-#pragma unroll
-      for (int j = 0; j < KPL; ++j)
-        if (lane * KPL + j < k) sorted[lane * KPL + j] = v[j];
-      __syncwarp();
-      done += taken;
-      carried = k;
-    } while (done < n);
-  }
+  static constexpr int kSortCap = kSurvivors;  ///< survivors the warp sort takes; more go to the radix path
+  static_assert(kFilterK < detail::kWarpSortKeys, "each sort pass must take in at least one new survivor");
 
   /// Block-wide count of keys satisfying pred: one redux per warp, one
   /// barrier. The two count slots alternate, so a slot is rewritten only
