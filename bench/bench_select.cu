@@ -126,11 +126,13 @@ void BM_decode_selection(benchmark::State& state) {
 }
 
 /// Prefill selection of a whole prompt of T tokens (every position a query,
-/// tiles of 64): one launch, CUDA events. `stages`: the candidate ring's
-/// depth (1 leaves shared memory for a third CTA per SM on an H200).
+/// tiles of 64): one launch, CUDA events. `scoring`: 0 fp32 FMA on the CUDA
+/// cores, 1 every candidate in 3xTF32, 2 plain tf32 then 3xTF32 for the
+/// candidates its bound cannot settle (the default). `stages`: the candidate
+/// ring's depth (1 leaves shared memory for a third CTA per SM on an H200).
 void BM_prefill_selection(benchmark::State& state) {
   const auto context = static_cast<std::int32_t>(state.range(0));
-  const bool tensor_cores = state.range(1) != 0;
+  const auto scoring = state.range(1);
   const auto stages = static_cast<int>(state.range(2));
   const SparseAttentionConfig cfg;
   mr::device_pool_resource device;
@@ -153,7 +155,8 @@ void BM_prefill_selection(benchmark::State& state) {
   a.num_tiles = tiles;
   a.num_q_heads = kQHeads;
   a.set_cache(cache.ref());
-  a.use_tensor_cores = tensor_cores;
+  a.use_tensor_cores = scoring != 0;
+  a.two_pass = scoring == 2;
   a.max_ring_stages = stages;
   const select::prefill_selection_output out{kept.ptr, num.ptr, window.ptr};
   cudaEvent_t start, stop;
@@ -191,8 +194,8 @@ void BM_prefill_selection(benchmark::State& state) {
 
 }  // namespace
 
-BENCHMARK(BM_prefill_selection)->ArgNames({"T", "tensor_cores", "stages"})
-    ->ArgsProduct({{32768, 262144}, {1, 0}, {2, 1}})
+BENCHMARK(BM_prefill_selection)->ArgNames({"T", "scoring", "stages"})
+    ->ArgsProduct({{32768, 262144}, {2, 1, 0}, {1, 2}})
     ->UseManualTime()->Iterations(5)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_decode_selection)->ArgNames({"B", "T"})

@@ -24,22 +24,35 @@ template <class T>
 using dev = test::device_buffer<T>;
 using bf16 = __nv_bfloat16;
 
-/// Runs the prefill selection for the last `n[b]` positions of every
-/// sequence of `p` and checks each tile against the reference.
-void check_prefill(const test::problem<bf16>& p, const std::vector<std::int32_t>& n, std::uint64_t seed,
-                   bool tensor_cores = true, int ring_stages = 2) {
+/// What one prefill selection produced.
+struct prefill_run {
+  std::vector<select::prefill_segment> segs;
+  std::vector<bf16> queries;
+  std::vector<std::int32_t> kept, num, window, blocks;
+};
+
+/// How a run scores: tensor cores (two passes or one) or fp32 CUDA cores,
+/// and the candidate ring's depth.
+struct scoring {
+  bool tensor_cores = true;
+  bool two_pass = true;
+  int ring_stages = 2;
+};
+
+/// Runs the prefill selection for the last ~n[b] positions of every
+/// sequence of `p` (random queries from `seed`, the same for every scoring).
+prefill_run run_prefill(const test::problem<bf16>& p, const std::vector<std::int32_t>& n, std::uint64_t seed,
+                        scoring how) {
   mr::device_pool_resource device;
   std::int64_t longest = 1;
   for (const auto len : p.lengths) longest = std::max(longest, len);
   kv::paged_kv_cache<bf16, mr::device_pool_resource> cache(device, test::cache_options(p, longest));
   const auto slots = test::fill(p, cache);
   const int B = static_cast<int>(p.lengths.size()), Hq = p.shape.num_q_heads, Hkv = p.shape.num_kv_heads;
-  const int D = p.shape.head_dim, M = p.cfg.query_tile, kf = p.cfg.top_k_fine;
+  const int D = p.shape.head_dim, M = p.cfg.query_tile, kf = p.cfg.top_k_fine, kc = p.cfg.top_k_coarse;
 
-  // Queries of every prefill position, random, and the segments.
+  prefill_run run;
   workload::splitmix64 rng(seed);
-  std::vector<bf16> queries;
-  std::vector<select::prefill_segment> segs;
   for (int b = 0; b < B; ++b) {
     // The last ~n[b] positions, from the tile boundary at or before len - n[b]
     // (a chunk starts on a tile; its end may cut one).
@@ -49,18 +62,19 @@ void check_prefill(const test::problem<bf16>& p, const std::vector<std::int32_t>
     s.q_begin = (len - n[static_cast<std::size_t>(b)]) / M * M;
     s.num_queries = len - s.q_begin;
     for (std::int64_t i = 0; i < std::int64_t{s.num_queries} * Hq * D; ++i)
-      queries.push_back(from_float<bf16>(static_cast<float>(rng.normal())));
-    segs.push_back(s);
+      run.queries.push_back(from_float<bf16>(static_cast<float>(rng.normal())));
+    run.segs.push_back(s);
   }
   int tiles = 0;
-  REQUIRE(select::layout_prefill_segments(segs.data(), B, M, tiles) == status::success);
-  dev<bf16> d_q(queries);
-  dev<select::prefill_segment> d_segs(segs);
+  REQUIRE(select::layout_prefill_segments(run.segs.data(), B, M, tiles) == status::success);
+  dev<bf16> d_q(run.queries);
+  dev<select::prefill_segment> d_segs(run.segs);
   dev<std::int32_t> kept(static_cast<std::size_t>(tiles) * Hkv * kf), num(static_cast<std::size_t>(tiles) * Hkv),
-      window(static_cast<std::size_t>(tiles));
+      window(static_cast<std::size_t>(tiles)), blocks(static_cast<std::size_t>(tiles) * Hkv * kc);
   kept.poison(nullptr);
   num.poison(nullptr);
   window.poison(nullptr);
+  blocks.poison(nullptr);
   select::prefill_selection_arguments<bf16> a;
   a.queries = d_q.ptr;
   a.segments = d_segs.ptr;
@@ -68,32 +82,45 @@ void check_prefill(const test::problem<bf16>& p, const std::vector<std::int32_t>
   a.num_tiles = tiles;
   a.num_q_heads = Hq;
   a.set_cache(cache.ref());
-  a.use_tensor_cores = tensor_cores;
-  a.max_ring_stages = ring_stages;
-  REQUIRE(select::select_prefill_async(p.cfg, a, select::prefill_selection_output{kept.ptr, num.ptr, window.ptr}) ==
+  a.use_tensor_cores = how.tensor_cores;
+  a.two_pass = how.two_pass;
+  a.max_ring_stages = how.ring_stages;
+  REQUIRE(select::select_prefill_async(p.cfg, a,
+                                       select::prefill_selection_output{kept.ptr, num.ptr, window.ptr, blocks.ptr}) ==
           status::success);
   HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
-  const auto g_kept = kept.download(), g_num = num.download(), g_window = window.download();
+  run.kept = kept.download();
+  run.num = num.download();
+  run.window = window.download();
+  run.blocks = blocks.download();
+  return run;
+}
 
+/// Checks each tile of a run against the reference.
+void check_prefill(const test::problem<bf16>& p, const std::vector<std::int32_t>& n, std::uint64_t seed,
+                   scoring how = {}) {
+  const prefill_run run = run_prefill(p, n, seed, how);
+  const int B = static_cast<int>(p.lengths.size()), Hq = p.shape.num_q_heads, Hkv = p.shape.num_kv_heads;
+  const int D = p.shape.head_dim, M = p.cfg.query_tile, kf = p.cfg.top_k_fine;
   int equal = 0, total = 0;
   for (int b = 0; b < B; ++b) {
-    const auto& s = segs[static_cast<std::size_t>(b)];
+    const auto& s = run.segs[static_cast<std::size_t>(b)];
     auto seq = p.sequence(b);
     seq.queries = tensor_view<const bf16, 3>::contiguous(
-        queries.data() + static_cast<std::size_t>(s.query_offset) * Hq * D, s.num_queries, Hq, D);
+        run.queries.data() + static_cast<std::size_t>(s.query_offset) * Hq * D, s.num_queries, Hq, D);
     seq.q_begin = s.q_begin;
     const auto r = reference::sparse_attention(p.cfg, p.shape, seq, M);
     REQUIRE(static_cast<std::int32_t>(r.tiles.size()) == select::prefill_tiles(s.q_begin, s.num_queries, M));
     for (std::size_t t = 0; t < r.tiles.size(); ++t) {
       const auto tile = static_cast<std::size_t>(s.tile_offset) + t;
       INFO("sequence " << b << ", tile at " << r.tiles[t].begin);
-      REQUIRE(g_window[tile] == r.tiles[t].window_begin);
+      REQUIRE(run.window[tile] == r.tiles[t].window_begin);
       for (int h = 0; h < Hkv; ++h) {
         const std::size_t at = tile * Hkv + static_cast<std::size_t>(h);
-        const int count = g_num[at];
+        const int count = run.num[at];
         REQUIRE(count == static_cast<int>(r.tiles[t].slices[h].kept.size()));
-        std::vector<std::int32_t> got(g_kept.begin() + at * kf, g_kept.begin() + at * kf + count);
-        for (int i = count; i < kf; ++i) REQUIRE(g_kept[at * kf + i] == -1);
+        std::vector<std::int32_t> got(run.kept.begin() + at * kf, run.kept.begin() + at * kf + count);
+        for (int i = count; i < kf; ++i) REQUIRE(run.kept[at * kf + i] == -1);
         REQUIRE(std::is_sorted(got.begin(), got.end()));
         equal += got == r.tiles[t].slices[h].kept ? 1 : 0;
         ++total;
@@ -103,6 +130,38 @@ void check_prefill(const test::problem<bf16>& p, const std::vector<std::int32_t>
   // Random normal inputs: a near-tie at a boundary is rare, not impossible.
   UNSCOPED_INFO(equal << " of " << total << " (tile, KV head) selections equal the reference's");
   REQUIRE(equal >= total - 1);
+}
+
+/// The two-pass scoring keeps exactly what the one-pass 3xTF32 scoring
+/// keeps: blocks, slices, counts and windows, bit for bit.
+void check_two_pass_equals_one_pass(const test::problem<bf16>& p, const std::vector<std::int32_t>& n,
+                                    std::uint64_t seed) {
+  const prefill_run two = run_prefill(p, n, seed, {true, true, 1});
+  const prefill_run one = run_prefill(p, n, seed, {true, false, 1});
+  REQUIRE(two.window == one.window);
+  REQUIRE(two.num == one.num);
+  REQUIRE(two.blocks == one.blocks);
+  REQUIRE(two.kept == one.kept);
+}
+
+/// Keys whose slices repeat: slice s of every head holds the keys of slice
+/// s % period (shifted by `step` per repeat when step != 0), so many slice
+/// and block summaries tie exactly (step 0) or nearly (a small step).
+test::problem<bf16> repeated_slices(test::problem<bf16> p, int period, float step) {
+  const int H = p.shape.num_kv_heads, D = p.shape.head_dim, F = p.cfg.fine_slice;
+  const std::size_t row = static_cast<std::size_t>(H) * D;
+  for (std::size_t b = 0; b < p.keys.size(); ++b) {
+    auto& k = p.keys[b];
+    const std::int64_t len = p.lengths[b];
+    for (std::int64_t t = static_cast<std::int64_t>(period) * F; t < len; ++t) {
+      const std::int64_t src = t % (static_cast<std::int64_t>(period) * F);
+      const auto repeat = static_cast<float>(t / (static_cast<std::int64_t>(period) * F));
+      for (std::size_t j = 0; j < row; ++j)
+        k[static_cast<std::size_t>(t) * row + j] =
+            from_float<bf16>(to_float(k[static_cast<std::size_t>(src) * row + j]) * (1.0f + step * repeat));
+    }
+  }
+  return p;
 }
 
 }  // namespace
@@ -115,15 +174,15 @@ TEST_CASE("prefill selection matches the reference tile by tile", "[gpu][select]
   const auto p = test::make_problem<bf16>({32, 8, 128}, SparseAttentionConfig{}, {300, 5000, 70001}, seed);
   {
     INFO("3xTF32 tensor cores");
-    check_prefill(p, {300, 200, 130}, seed + 1, true);
+    check_prefill(p, {300, 200, 130}, seed + 1, {true, false, 2});
   }
   {
     INFO("fp32 CUDA cores");
-    check_prefill(p, {300, 200, 130}, seed + 1, false);
+    check_prefill(p, {300, 200, 130}, seed + 1, {false, false, 2});
   }
   {
-    INFO("3xTF32 tensor cores, a 1-deep candidate ring");
-    check_prefill(p, {300, 200, 130}, seed + 1, true, 1);
+    INFO("plain tf32 then 3xTF32 (two passes), a 1-deep candidate ring");
+    check_prefill(p, {300, 200, 130}, seed + 1, {true, true, 1});
   }
 }
 
@@ -136,9 +195,45 @@ TEST_CASE("prefill selection across GQA 1/4, head_dim 64/256, query tiles 16 and
     for (const int dim : {64, 256}) {
       INFO("group " << group << ", head_dim " << dim);
       const auto p = test::make_problem<bf16>({2 * group, 2, dim}, small, {33, 1000, 9001}, seed + group * dim);
-      check_prefill(p, {33, 100, 77}, seed + 7, true);
-      check_prefill(p, {33, 100, 77}, seed + 7, false);
+      check_prefill(p, {33, 100, 77}, seed + 7, {true, true, 2});
+      check_prefill(p, {33, 100, 77}, seed + 7, {false, false, 2});
     }
+}
+
+TEST_CASE("two-pass prefill scoring keeps exactly what one 3xTF32 pass keeps", "[gpu][select][prefill]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  // 200 blocks (the coarse stage takes two passes too: > 128 candidates)
+  // and 512 fine candidates; a small config where k is 4 of 2k + 1 groups.
+  const auto p = test::make_problem<bf16>({8, 2, 128}, SparseAttentionConfig{}, {204800, 9000}, seed);
+  {
+    INFO("random keys");
+    check_two_pass_equals_one_pass(p, {200, 300}, seed + 1);
+    check_prefill(p, {200, 300}, seed + 1);
+  }
+  {
+    INFO("slices repeating every 7: exact ties between summaries (most stages fall back)");
+    check_two_pass_equals_one_pass(repeated_slices(p, 7, 0.0f), {200, 300}, seed + 2);
+  }
+  {
+    INFO("slices repeating every 24, 2^-9 apart: near-ties inside the bound");
+    check_two_pass_equals_one_pass(repeated_slices(p, 24, 0x1p-9f), {200, 300}, seed + 3);
+  }
+  {
+    INFO("constant keys: every score tied");
+    const auto c = test::make_problem<bf16>({8, 2, 128}, SparseAttentionConfig{}, {150000}, seed, true);
+    check_two_pass_equals_one_pass(c, {130}, seed + 4);
+  }
+  {
+    INFO("head_dim 64 and 256, GQA 1");
+    const SparseAttentionConfig small{128, 256, 16, 12, 8, 64};
+    for (const int dim : {64, 256}) {
+      const auto q = test::make_problem<bf16>({2, 2, dim}, small, {60000}, seed + dim);
+      check_two_pass_equals_one_pass(q, {150}, seed + 5);
+      check_prefill(q, {150}, seed + 5);
+    }
+  }
 }
 
 TEST_CASE("a prefill segment off a tile boundary is reported by the kernel",

@@ -6,25 +6,27 @@
 // A tile's score of a candidate is the max over its queries of (the group's
 // summed query) . (the candidate's mean key): a small GEMM, M queries by 64
 // candidates at a time, then the max over the queries. By default on the
-// tensor cores in split tf32 (3xTF32, ~fp32 accuracy: the contract's scores
-// are fp32-grade); `use_tensor_cores = false` runs fp32 FMA on the CUDA cores
-// (4 x 4 outputs per thread). Queries and candidates sit row by row in shared
-// memory (D + 4 floats a row) and candidate rows arrive by cp.async, a warp
-// per 512-byte row; with `max_ring_stages = 2` the next round streams in
-// while this one is scored, but on an H200 the default single buffer wins
-// (it leaves room for a third CTA per SM).
+// tensor cores in two passes: every candidate in plain tf32 (one mma per 8
+// dims, operands as loaded), with a proven bound on its distance from the
+// split-tf32 (3xTF32, ~fp32) score; then only the candidates the bound
+// cannot rule out of the top k (k + ~10 on random rows) in 3xTF32, ranked
+// among themselves. The kept sets are exactly those of scoring every
+// candidate in 3xTF32 (`two_pass = false`; the contract's scores are
+// fp32-grade). `use_tensor_cores = false` runs fp32 FMA on the CUDA cores
+// (4 x 4 outputs per thread). Queries and candidates sit row by row in
+// shared memory (D + 4 floats a row) and candidate rows arrive by cp.async,
+// a warp per 512-byte row; with `max_ring_stages = 2` the next round streams
+// in while this one is scored, but on an H200 the default single buffer
+// wins (it leaves room for a third CTA per SM).
 // Ranking and compaction are the decode selection's (mark_top_k,
 // compact_marked): ties to the lower index, kept slices ascending, padded
 // with -1.
 //
 // Work and floors, T = 256K, M = 64, 8 KV heads, head_dim 128: 32768
 // (tile, KV head) CTAs; 163 G multiply-adds (the fine stage's 64 queries x
-// 512 slices dominates), so 489 G tf32 ones in 3xTF32: 2.0 ms at the H200's
-// full dense tf32 rate (495 TFLOPS, which mma.sync does not reach); the
-// candidate rows come from L2, 10.5 GB. Measured 7.9 ms (PERF_NOTES: issue bound, about
-// 0.5 instructions per cycle per scheduler). The 2 ms target needs fewer
-// tensor products (a plain-tf32 pass with a proven error bound, 3xTF32 only
-// for the candidates it cannot settle) and several tiles per CTA.
+// 512 slices dominates): 0.66 ms in plain tf32 at the H200's full dense
+// tf32 rate (495 TFLOPS, which mma.sync does not reach), 2.0 ms if all were
+// 3xTF32; the candidate rows come from L2, 10.5 GB. Measured: PERF_NOTES.
 
 #include <algorithm>
 #include <cstdint>
@@ -100,6 +102,13 @@ struct prefill_selection_arguments : cache_summaries {  // (the cache's lengths 
   /// Scores by 3xTF32 tensor-core products (~fp32 accuracy); false: fp32
   /// FMA on the CUDA cores (tests compare the two).
   bool use_tensor_cores = true;
+  /// With tensor cores: score a stage's candidates first in plain tf32
+  /// (one mma per 8 dims, no operand splits) with a proven error bound, and
+  /// in 3xTF32 only the few the bound cannot rule out of the top k. The
+  /// kept sets equal the one-pass 3xTF32 ones exactly (tests compare the
+  /// two on random, tied and near-tied inputs); false: every candidate in
+  /// 3xTF32, as before.
+  bool two_pass = true;
   /// Deepest candidate ring to use (1 or 2; the plan takes less where shared
   /// memory is short). 1, the default, leaves room for 3 CTAs per H200 SM
   /// at head_dim 128 (2 with a 2-deep ring), and 3 resident CTAs hide the
@@ -157,6 +166,12 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+/// d += a b with A's four registers straight from a 16-byte load.
+__device__ __forceinline__ void mma_tf32(float (&d)[4], float4 a, float b0, float b1) {
+  const unsigned f[4] = {__float_as_uint(a.x), __float_as_uint(a.y), __float_as_uint(a.z), __float_as_uint(a.w)};
+  mma_tf32(d, f, __float_as_uint(b0), __float_as_uint(b1));
+}
+
 /// max(a, b), NaN if either is NaN (fmaxf would drop it).
 __device__ __forceinline__ float max_nan(float a, float b) {
   float r;
@@ -168,6 +183,31 @@ __device__ __forceinline__ float max_nan(float a, float b) {
 /// tf32_cut(x) is exact in fp32, so x = hi + lo splits without rounding.
 __device__ __forceinline__ unsigned tf32_cut(float x) { return __float_as_uint(x) & 0xFFFFE000u; }
 
+/// The tensor-core kernels' k order: mma k-step s (8 dims) of 32-dim chunk
+/// J = s / 4, j = s % 4, gives lane quad q4 the dims 32 J + 8 q4 + 2 j and
+/// + 1 as its k = q4 and k = q4 + 4 (which dims play which k does not
+/// matter as long as A and B agree). A candidate row (D + 4 floats) then
+/// yields a lane's B fragments for two k-steps in one 16-byte load, free of
+/// bank conflicts. The queries are stored in fragment order: k-step s of
+/// query block qb (16 queries) is 32 lanes x 4 floats, lane g * 4 + q4
+/// holding A[g][k = q4], A[g + 8][q4], A[g][q4 + 4], A[g + 8][q4 + 4] -- one
+/// 16-byte load per lane and k-step, already in the mma's register order.
+/// This is the float offset of query i, dim d.
+template <int D>
+__device__ __forceinline__ int prefill_fragment_offset(int i, int d) {
+  const int dl = d % 32, s = d / 32 * 4 + dl % 8 / 2, lane = i % 8 * 4 + dl / 8;
+  return ((i / 16 * (D / 8) + s) * 32 + lane) * 4 + dl % 2 * 2 + i % 16 / 8;
+}
+
+/// How score_candidates computes the products: fp32 FMA on the CUDA cores;
+/// split tf32 on the tensor cores (3xTF32, ~fp32 accuracy); or plain tf32
+/// (operands cut to 10 mantissa bits, error bounded by bound_tf32_delta),
+/// which also records the largest scaled candidate norm.
+enum class prefill_scoring { fma, split_tf32, plain_tf32 };
+
+/// A 16-byte shared-memory load.
+__device__ __forceinline__ float4 lds4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+
 /// Scores `count` candidates against the tile's `valid` summed queries (qs,
 /// one row per query): scores[c] = scale_of(c) * max_i qs[i] . row(c), where
 /// row_of(c) is candidate c's D-float key sum: a global row, or `partial` (in
@@ -175,32 +215,38 @@ __device__ __forceinline__ unsigned tf32_cut(float x) { return __float_as_uint(x
 /// NaN (the reference's rule); masked query rows never count.
 ///
 /// Rounds of 64 candidates go through `stages` ring buffers: round r + 1 is
-/// in flight (cp.async, a warp per 512-byte row) while round r is scored.
-/// TensorCores: mma.m16n8k8 in split tf32 (3xTF32: a = a_hi + a_lo, a b ~
-/// a_hi b_hi + a_hi b_lo + a_lo b_hi, ~fp32 accuracy), 8 warps of 16 queries
-/// x 32 candidates. Otherwise fp32 FMA on the CUDA cores, 4 x 4 per thread
-/// (queries tq + 16i, candidates tc + 16j).
-template <int D, bool TensorCores, class RowOf, class ScaleOf>
+/// in flight (cp.async, 4 threads a row, each 16-byte pieces q, q + 4, ...,
+/// so row_of runs once per thread and round) while round r is scored.
+/// Tensor cores: mma.m16n8k8 in the k order of prefill_fragment_offset (qs
+/// in fragment order), 8 warps of 16 queries x 32 candidates. split_tf32
+/// splits a = a_hi + a_lo (a b ~ a_hi b_hi + a_hi b_lo + a_lo b_hi);
+/// plain_tf32 feeds the fp32 bits as they are (the tensor core reads their
+/// tf32 part) and sets *cnorm to the largest (scale_of(c) |row(c)|)^2 (float
+/// bits, atomicMax). fma: qs row-major, 4 x 4 per thread (queries tq + 16i,
+/// candidates tc + 16j).
+template <int D, prefill_scoring Mode, class RowOf, class ScaleOf>
 __device__ void score_candidates(int count, int valid, int stages, const float* qs, float* ring, float* red,
                                  const float* partial, const float* any_row, float* scores, RowOf row_of,
-                                 ScaleOf scale_of) {
-  constexpr int kN = kPrefillCandidates, kR = prefill_row_floats(D), kChunks = D / 4;
+                                 ScaleOf scale_of, unsigned* cnorm = nullptr) {
+  constexpr bool kTensorCores = Mode != prefill_scoring::fma;
+  constexpr int kN = kPrefillCandidates, kR = prefill_row_floats(D);
   constexpr int kTileFloats = kN * kR;
-  constexpr int kGroups = prefill_groups(TensorCores);
+  constexpr int kGroups = prefill_groups(kTensorCores);
+  constexpr int kRowThreads = kSelectThreads / kN;  // 4 threads copy a row
+  static_assert(D % 32 == 0 && kSelectThreads % kN == 0, "32-dim chunks; whole threads per row");
   const int t = static_cast<int>(threadIdx.x);
   const int rounds = (count + kN - 1) / kN;
   auto issue = [&](int round) {
     if (round < rounds) {
-      float* buf = ring + (round % stages) * kTileFloats;
+      const int c = t / kRowThreads, cand = round * kN + c;
+      float* dst = ring + (stages == 2 ? round & 1 : 0) * kTileFloats + c * kR;
+      const float* src = cand < count ? row_of(cand) : nullptr;
 #pragma unroll 4
-      for (int e = t; e < kN * kChunks; e += kSelectThreads) {
-        const int c = e / kChunks, piece = e % kChunks, cand = round * kN + c;
-        float* dst = buf + c * kR + piece * 4;
-        const float* src = cand < count ? row_of(cand) : nullptr;
+      for (int piece = t % kRowThreads; piece < D / 4; piece += kRowThreads) {
         if (src == partial)
-          *reinterpret_cast<float4*>(dst) = *reinterpret_cast<const float4*>(partial + piece * 4);
+          *reinterpret_cast<float4*>(dst + piece * 4) = *reinterpret_cast<const float4*>(partial + piece * 4);
         else  // past the candidates: zeros, nothing read
-          ptx::cp_async_16(ptx::smem_address(dst), src ? src + piece * 4 : any_row, src ? 16 : 0);
+          ptx::cp_async_16(ptx::smem_address(dst + piece * 4), src ? src + piece * 4 : any_row, src ? 16 : 0);
       }
     }
     ptx::cp_async_commit();  // every thread, every round (empty groups too): uniform group counts
@@ -212,38 +258,81 @@ __device__ void score_candidates(int count, int valid, int stages, const float* 
     if (stages == 2) ptx::cp_async_wait<1>();
     else ptx::cp_async_wait<0>();
     __syncthreads();  // round r's rows have landed, for every thread
-    const float* cs = ring + (r % stages) * kTileFloats;
-    if constexpr (TensorCores) {
+    const float* cs = ring + (stages == 2 ? r & 1 : 0) * kTileFloats;
+    if constexpr (kTensorCores) {
       const int warp = t / 32, lane = t & 31, g = lane / 4, q4 = lane % 4;
       const int qb = warp % 4, ch = warp / 4;  // queries 16qb.., candidates 32ch..
-      const float* qa = qs + (16 * qb + g) * kR + q4;
-      const float* cb = cs + (32 * ch + g) * kR + q4;
-      // The a_hi b_hi products and the two small ones in separate
-      // accumulators: two independent mma chains per n-tile, not one of 3.
-      float acc[4][4] = {}, small[4][4] = {};
-#pragma unroll 4
-      for (int k0 = 0; k0 < D; k0 += 8) {
-        const float av[4] = {qa[k0], qa[8 * kR + k0], qa[k0 + 4], qa[8 * kR + k0 + 4]};
-        unsigned ahi[4], alo[4];
+      const float* qf = qs + (qb * (D / 8) * 32 + lane) * 4;  // k-step s at qf + 128 s
+      const float* cb = cs + (32 * ch + g) * kR + 8 * q4;     // k-steps 4J + 2h, + 1 at cb + 32 J + 4 h
+      float acc[4][4] = {};
+      if constexpr (Mode == prefill_scoring::split_tf32) {
+        // The a_hi b_hi products and the two small ones in separate
+        // accumulators: two independent mma chains per n-tile, not one of 3.
+        float small[4][4] = {};
+#pragma unroll 2
+        for (int k = 0; k < D / 16; ++k) {
+          unsigned ahi[2][4], alo[2][4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          ahi[i] = tf32_cut(av[i]);
-          alo[i] = tf32_cut(av[i] - __uint_as_float(ahi[i]));
+          for (int h = 0; h < 2; ++h) {
+            const float4 av = lds4(qf + (2 * k + h) * 128);
+            const float v[4] = {av.x, av.y, av.z, av.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              ahi[h][i] = tf32_cut(v[i]);
+              alo[h][i] = tf32_cut(v[i] - __uint_as_float(ahi[h][i]));
+            }
+          }
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            const float4 bv = lds4(cb + nt * 8 * kR + k / 2 * 32 + k % 2 * 4);
+            const float b[4] = {bv.x, bv.y, bv.z, bv.w};
+            unsigned bhi[4], blo[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              bhi[i] = tf32_cut(b[i]);
+              blo[i] = tf32_cut(b[i] - __uint_as_float(bhi[i]));
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              mma_tf32(small[nt], alo[h], bhi[2 * h], bhi[2 * h + 1]);
+              mma_tf32(small[nt], ahi[h], blo[2 * h], blo[2 * h + 1]);
+              mma_tf32(acc[nt], ahi[h], bhi[2 * h], bhi[2 * h + 1]);
+            }
+          }
         }
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          const float b0 = cb[nt * 8 * kR + k0], b1 = cb[nt * 8 * kR + k0 + 4];
-          const unsigned bhi0 = tf32_cut(b0), bhi1 = tf32_cut(b1);
-          const unsigned blo0 = tf32_cut(b0 - __uint_as_float(bhi0)), blo1 = tf32_cut(b1 - __uint_as_float(bhi1));
-          mma_tf32(small[nt], alo, bhi0, bhi1);
-          mma_tf32(small[nt], ahi, blo0, blo1);
-          mma_tf32(acc[nt], ahi, bhi0, bhi1);
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[nt][e] += small[nt][e];
+      } else {
+#pragma unroll 2
+        for (int k = 0; k < D / 16; ++k) {
+          const float4 a0 = lds4(qf + 2 * k * 128), a1 = lds4(qf + (2 * k + 1) * 128);
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            const float4 b = lds4(cb + nt * 8 * kR + k / 2 * 32 + k % 2 * 4);
+            mma_tf32(acc[nt], a0, b.x, b.y);
+            mma_tf32(acc[nt], a1, b.z, b.w);
+          }
         }
+        // |row(c)|^2, candidates 8 warp + g (their dims 8 q4.. of every 32),
+        // scaled; the warp's largest to *cnorm.
+        const float* row = cs + (8 * warp + g) * kR + 8 * q4;
+        float sq = 0.0f;
+#pragma unroll
+        for (int k0 = 0; k0 < D; k0 += 32) {
+          const float4 x = lds4(row + k0), y = lds4(row + k0 + 4);
+          sq = fmaf(x.x, x.x, fmaf(x.y, x.y, fmaf(x.z, x.z, fmaf(x.w, x.w, sq))));
+          sq = fmaf(y.x, y.x, fmaf(y.y, y.y, fmaf(y.z, y.z, fmaf(y.w, y.w, sq))));
+        }
+        sq += __shfl_xor_sync(0xFFFFFFFFu, sq, 1);
+        sq += __shfl_xor_sync(0xFFFFFFFFu, sq, 2);
+        const int cand = r * kN + 8 * warp + g;
+        const float scale = cand < count ? scale_of(cand) : 0.0f;
+        // Non-negative or NaN: as unsigned bits, larger means larger (NaN largest).
+        const unsigned top = __reduce_max_sync(0xFFFFFFFFu, __float_as_uint(sq * scale * scale));
+        if (lane == 0) atomicMax(cnorm, top);
       }
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[nt][e] += small[nt][e];
       // acc[nt]: queries 16qb + g (0, 1) and + 8 (2, 3), candidates 32ch + 8nt + 2q4 (+1).
       const bool row0 = 16 * qb + g < valid, row1 = 16 * qb + g + 8 < valid;
 #pragma unroll
@@ -299,12 +388,117 @@ __device__ void score_candidates(int count, int valid, int stages, const float* 
   __syncthreads();
 }
 
+/// Candidates a stage rescores exactly after the plain-tf32 pass, at most
+/// (two rounds); more fall back to scoring every candidate exactly.
+inline constexpr int kPrefillExactMax = 2 * kPrefillCandidates;
+
+/// Whether a stage of `count` candidates keeping k takes the two passes:
+/// at least three rounds to save, and room for k and a margin in the exact
+/// list (the margin, the candidates within the bound of the k-th, is ~10 on
+/// random rows).
+HISPARSE_HOST_DEVICE constexpr bool prefill_two_pass(int count, int k) {
+  return count > 2 * kPrefillCandidates && 2 * k <= kPrefillExactMax;
+}
+
+/// The bound on |plain tf32 score - 3xTF32 score| for every candidate of a
+/// stage: qnorm2 = the largest |q|^2 of the tile's valid summed queries,
+/// cnorm2 = the largest (scale |row|)^2 of the stage's candidates.
+/// Per product a b, tf32 keeps 10 mantissa bits of each operand (truncated
+/// or rounded: relative error < 2^-10 each), so |a b - tf32(a) tf32(b)| <
+/// (2^-9 + 2^-20) |a b|; fp32 accumulation of D <= 256 products adds
+/// < 2^-15 sum |a b|, and the 3xTF32 score is itself within ~2^-15 sum |a b|
+/// of the exact one. sum_d |q_d c_d| <= |q| |c| (Cauchy-Schwarz); the max over
+/// queries moves by at most the largest per-query error. 2^-8 |q| |c| covers
+/// all of it with a factor ~2 to spare for the fp32 arithmetic of the bound.
+/// The second term covers flushed subnormals (operands, split parts and
+/// products: < 2^-126 each, at most 2^9 of them, times |q| or |c| <= their
+/// norms), which no relative bound does.
+__device__ __forceinline__ float bound_tf32_delta(float qnorm2, float cnorm2) {
+  const float q = sqrtf(qnorm2), c = sqrtf(cnorm2);
+  return 0x1p-8f * q * c + 0x1p-110f * (q + c + 1.0f);
+}
+
+/// ordered_bits' inverse on numbers (not NaN).
+__device__ __forceinline__ float from_ordered_bits(std::uint32_t o) {
+  return __uint_as_float((o & 0x80000000u) ? (o & 0x7FFFFFFFu) : ~o);
+}
+
+/// A prefill CTA's shared scalars and the exact list of a two-pass stage.
+struct prefill_shared {
+  int seg_index;
+  unsigned qnorm2;  ///< largest |q|^2 of the tile's valid summed queries (float bits)
+  unsigned cnorm2;  ///< the stage's largest (scale |row|)^2 (float bits)
+  unsigned kth;     ///< the stage's k-th largest plain-tf32 score (ordered_bits)
+  int bad;          ///< a plain-tf32 score was not a number or infinite
+  std::int32_t exact[kPrefillExactMax];  ///< candidates rescored in 3xTF32
+};
+
+/// One filter stage: scores candidates [0, count) and keeps the top k (ties
+/// to the lower index); emit(position, candidate) in ascending candidate
+/// order; returns the number kept. One pass: every candidate in 3xTF32 (or
+/// fp32 FMA). Two passes (prefill_two_pass, tensor cores): every candidate
+/// in plain tf32 and the bound delta of bound_tf32_delta; with s_k the k-th
+/// largest plain score, every candidate whose 3xTF32 score can reach the
+/// k-th largest 3xTF32 score has a plain score >= s_k - 2 delta (k
+/// candidates have 3xTF32 scores >= s_k - delta, and none outside that band
+/// exceeds s_k - delta). Those, in candidate order, are rescored in 3xTF32
+/// and ranked among themselves, which keeps exactly what ranking every
+/// candidate would. A score that is not a finite number, a bound that is
+/// not finite, or a band of more than kPrefillExactMax candidates: every
+/// candidate in 3xTF32.
+template <int D, bool Wide, bool TensorCores, class RowOf, class ScaleOf, class Emit>
+__device__ int filter_stage(int count, int k, bool two_pass, int valid, int stages, const float* qs, float* ring,
+                            float* red, const float* partial, const float* any_row, float* scores,
+                            unsigned char* keep, topk_key* keys, selection_temp<Wide>& temp, prefill_shared& sh,
+                            RowOf row_of, ScaleOf scale_of, Emit emit) {
+  constexpr int kMaxCandidates = Wide ? kMaxSelectCandidates : kFilterMaxCandidates;
+  constexpr prefill_scoring kExact = TensorCores ? prefill_scoring::split_tf32 : prefill_scoring::fma;
+  if (count == 0) return 0;  // uniform
+  const int t = static_cast<int>(threadIdx.x);
+  int n = count;
+  const std::int32_t* list = nullptr;  // the exact candidates, or all of them
+  if (TensorCores && two_pass && prefill_two_pass(count, k)) {  // uniform
+    if (t == 0) {  // ordered before readers by score_candidates' first barrier
+      sh.cnorm2 = 0;
+      sh.kth = 0xFFFFFFFFu;
+      sh.bad = 0;
+    }
+    score_candidates<D, prefill_scoring::plain_tf32>(count, valid, stages, qs, ring, red, partial, any_row, scores,
+                                                    row_of, scale_of, &sh.cnorm2);
+    mark_top_k<Wide>(scores, count, k, keep, keys, temp);
+    for (int c = t; c < count; c += kSelectThreads) {
+      const float s = scores[c];
+      if (!isfinite(s)) sh.bad = 1;
+      if (keep[c]) atomicMin(&sh.kth, ordered_bits(s));
+    }
+    __syncthreads();
+    const float delta = bound_tf32_delta(__uint_as_float(sh.qnorm2), __uint_as_float(sh.cnorm2));
+    if (!sh.bad && delta < __int_as_float(0x7f800000)) {  // uniform; false for a NaN delta too
+      const float floor = from_ordered_bits(sh.kth) - 2.0f * delta;
+      for (int c = t; c < count; c += kSelectThreads) keep[c] = scores[c] >= floor ? 1 : 0;
+      __syncthreads();
+      const int m = compact_marked<kMaxCandidates>(keep, count, temp.scan, [&](int pos, int c) {
+        if (pos < kPrefillExactMax) sh.exact[pos] = c;
+      });
+      if (m <= kPrefillExactMax) {
+        n = m;
+        list = sh.exact;
+      }
+    }
+  }
+  auto cand = [&](int e) { return list ? static_cast<int>(list[e]) : e; };
+  score_candidates<D, kExact>(
+      n, valid, stages, qs, ring, red, partial, any_row, scores, [&](int e) { return row_of(cand(e)); },
+      [&](int e) { return scale_of(cand(e)); });
+  mark_top_k<Wide>(scores, n, k, keep, keys, temp);
+  return compact_marked<kMaxCandidates>(keep, n, temp.scan, [&](int pos, int e) { emit(pos, cand(e)); });
+}
+
 /// Grid: x = KV head, y = tile (across all segments).
 template <class Q, int D, bool Wide, bool TensorCores>
-__global__ void __launch_bounds__(kSelectThreads) prefill_selection_kernel(const __grid_constant__ prefill_params<Q> p) {
-  constexpr int kMaxCandidates = Wide ? kMaxSelectCandidates : kFilterMaxCandidates;
+__global__ void __launch_bounds__(kSelectThreads, TensorCores ? 3 : 1) prefill_selection_kernel(const __grid_constant__ prefill_params<Q> p) {
   __shared__ selection_temp<Wide> temp;
-  __shared__ int seg_index;
+  __shared__ prefill_shared sh;
   extern __shared__ __align__(16) unsigned char smem[];
   auto* keys = reinterpret_cast<topk_key*>(smem + p.smem.keys);
   auto* coarse_scores = reinterpret_cast<float*>(smem + p.smem.coarse_scores);
@@ -326,10 +520,11 @@ __global__ void __launch_bounds__(kSelectThreads) prefill_selection_kernel(const
       if (in.segments[mid].tile_offset <= tile) lo = mid;
       else hi = mid - 1;
     }
-    seg_index = lo;
+    sh.seg_index = lo;
+    sh.qnorm2 = 0;
   }
   __syncthreads();
-  const prefill_segment seg = in.segments[seg_index];
+  const prefill_segment seg = in.segments[sh.seg_index];
   const int M = p.query_tile, F = in.fine_slice, C = in.coarse_block, spb = C / F;
   const std::int32_t p0 = (seg.q_begin / M + (tile - seg.tile_offset)) * M;  // the tile's first position
   const std::int32_t first = max(p0, seg.q_begin), last = min(p0 + M, seg.q_begin + seg.num_queries);
@@ -347,10 +542,12 @@ __global__ void __launch_bounds__(kSelectThreads) prefill_selection_kernel(const
   const std::int32_t blocks = (ws + C - 1) / C;
   if (h == 0 && threadIdx.x == 0) p.out.window_begin[tile] = ws;
 
-  // The group-summed queries of the tile, a row each (zeros past `valid`):
-  // 8 dims a thread at a time, one 16-byte load per head of the group.
+  // The group-summed queries of the tile (zeros past `valid`), row by row
+  // (CUDA cores) or in mma fragment order (tensor cores): 8 dims a thread
+  // at a time, one 16-byte load per head of the group.
   constexpr int kR = prefill_row_floats(D);
   const int group = in.num_q_heads / in.kv_heads;
+  unsigned qtop = 0;  // the largest |q_i|^2 this thread saw (float bits)
   for (int e = threadIdx.x; e < kPrefillMaxQueries * (D / 8); e += kSelectThreads) {
     const int i = e / (D / 8), d0 = (e % (D / 8)) * 8;
     float acc[8] = {};
@@ -369,8 +566,25 @@ __global__ void __launch_bounds__(kSelectThreads) prefill_selection_kernel(const
         }
       }
     }
-    *reinterpret_cast<float4*>(qs + i * kR + d0) = make_float4(acc[0], acc[1], acc[2], acc[3]);
-    *reinterpret_cast<float4*>(qs + i * kR + d0 + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    if constexpr (TensorCores) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) qs[prefill_fragment_offset<D>(i, d0 + j)] = acc[j];
+    } else {
+      *reinterpret_cast<float4*>(qs + i * kR + d0) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      *reinterpret_cast<float4*>(qs + i * kR + d0 + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    }
+    if constexpr (TensorCores) {  // |q_i|^2 for the plain-tf32 bound: row i's D / 8 threads are adjacent lanes
+      float sq = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) sq = fmaf(acc[j], acc[j], sq);
+#pragma unroll
+      for (int off = 1; off < D / 8; off <<= 1) sq += __shfl_xor_sync(0xFFFFFFFFu, sq, off);
+      qtop = max(qtop, __float_as_uint(sq));  // non-negative or NaN: as unsigned, NaN is largest
+    }
+  }
+  if constexpr (TensorCores) {  // read after score_candidates' first barrier
+    qtop = __reduce_max_sync(0xFFFFFFFFu, qtop);
+    if (threadIdx.x % 32 == 0) atomicMax(&sh.qnorm2, qtop);
   }
 
   const std::int64_t seq_layer = std::int64_t{seg.slot} * in.layers + in.layer;
@@ -387,24 +601,18 @@ __global__ void __launch_bounds__(kSelectThreads) prefill_selection_kernel(const
       for (std::int32_t sl = (blocks - 1) * spb; sl < far_slices; ++sl) sum += __ldg(slice_base + sl * head_stride + d);
       partial[d] = sum;
     }
-  score_candidates<D, TensorCores>(
-      blocks, valid, p.stages, qs, ring, red, partial, slice_base, coarse_scores,
+  std::int32_t* out_blocks = p.out.kept_blocks ? p.out.kept_blocks + at * p.top_k_coarse : nullptr;
+  const int kept = filter_stage<D, Wide, TensorCores>(
+      blocks, p.top_k_coarse, in.two_pass, valid, p.stages, qs, ring, red, partial, slice_base, coarse_scores, keep,
+      keys, temp, sh,
       [&](int r) -> const float* {
         return partial_last && r == blocks - 1 ? partial : block_base + r * head_stride;
       },
-      [&](int r) {
-        return 1.0f / static_cast<float>(partial_last && r == blocks - 1 ? ws - r * C : C);
+      [&](int r) { return 1.0f / static_cast<float>(partial_last && r == blocks - 1 ? ws - r * C : C); },
+      [&](int pos, int block) {
+        kept_blocks[pos] = block;
+        if (out_blocks) out_blocks[pos] = block;
       });
-
-  int kept = 0;
-  std::int32_t* out_blocks = p.out.kept_blocks ? p.out.kept_blocks + at * p.top_k_coarse : nullptr;
-  if (blocks > 0) {  // uniform across the CTA
-    mark_top_k<Wide>(coarse_scores, blocks, p.top_k_coarse, keep, keys, temp);
-    kept = compact_marked<kMaxCandidates>(keep, blocks, temp.scan, [&](int pos, int block) {
-      kept_blocks[pos] = block;
-      if (out_blocks) out_blocks[pos] = block;
-    });
-  }
   if (out_blocks)
     for (int i = kept + threadIdx.x; i < p.top_k_coarse; i += kSelectThreads) out_blocks[i] = -1;
 
@@ -412,18 +620,11 @@ __global__ void __launch_bounds__(kSelectThreads) prefill_selection_kernel(const
   // reach past ws, so the real candidates are exactly the first `candidates`).
   auto slice_of = [&](int c) { return kept_blocks[c / spb] * spb + c % spb; };
   const int candidates = kept == 0 ? 0 : kept * spb - max(0, (kept_blocks[kept - 1] + 1) * spb - far_slices);
-  score_candidates<D, TensorCores>(
-      candidates, valid, p.stages, qs, ring, red, partial, slice_base, fine_scores,
-      [&](int c) -> const float* { return slice_base + slice_of(c) * head_stride; },
-      [&](int) { return 1.0f / static_cast<float>(F); });
-
   std::int32_t* out_slices = p.out.kept_slices + at * p.top_k_fine;
-  int kept_slices = 0;
-  if (candidates > 0) {  // uniform across the CTA
-    mark_top_k<Wide>(fine_scores, candidates, p.top_k_fine, keep, keys, temp);
-    kept_slices = compact_marked<kMaxCandidates>(keep, candidates, temp.scan,
-                                                 [&](int pos, int c) { out_slices[pos] = slice_of(c); });
-  }
+  const int kept_slices = filter_stage<D, Wide, TensorCores>(
+      candidates, p.top_k_fine, in.two_pass, valid, p.stages, qs, ring, red, partial, slice_base, fine_scores, keep,
+      keys, temp, sh, [&](int c) -> const float* { return slice_base + slice_of(c) * head_stride; },
+      [&](int) { return 1.0f / static_cast<float>(F); }, [&](int pos, int c) { out_slices[pos] = slice_of(c); });
   for (int i = kept_slices + threadIdx.x; i < p.top_k_fine; i += kSelectThreads) out_slices[i] = -1;
   if (threadIdx.x == 0) p.out.num_slices[at] = kept_slices;
 }
