@@ -139,9 +139,10 @@ void BM_prefill_selection(benchmark::State& state) {
   cache_type cache(device, cache_options(1, context));
   workload::splitmix64 rng(5);
   const auto slots = fill_cache(cache, 1, context, rng);
-  std::vector<bf16> q(static_cast<std::size_t>(context) * kQHeads * kDim);
-  for (auto& x : q) x = from_float<bf16>(static_cast<float>(rng.normal()));
-  const device_array<bf16> d_q(q);
+  // Every position's queries (1G values at 256K): drawn on the device.
+  const std::size_t q_elems = static_cast<std::size_t>(context) * kQHeads * kDim;
+  const device_array<bf16> d_q(q_elems);
+  bench::fill_normal(d_q.ptr, q_elems, rng.next());
   const std::int32_t tiles = select::prefill_tiles(0, context, cfg.query_tile);
   const std::vector<select::prefill_segment> segs{{slots[0], 0, context, 0, 0}};
   const device_array<select::prefill_segment> d_segs(segs);

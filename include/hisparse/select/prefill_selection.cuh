@@ -428,7 +428,7 @@ struct prefill_shared {
   int seg_index;
   unsigned qnorm2;  ///< largest |q|^2 of the tile's valid summed queries (float bits)
   unsigned cnorm2;  ///< the stage's largest (scale |row|)^2 (float bits)
-  unsigned kth;     ///< the stage's k-th largest plain-tf32 score (ordered_bits)
+  unsigned kth;     ///< a plain-tf32 score k candidates reach (ordered_bits)
   int bad;          ///< a plain-tf32 score was not a number or infinite
   std::int32_t exact[kPrefillExactMax];  ///< candidates rescored in 3xTF32
 };
@@ -437,11 +437,12 @@ struct prefill_shared {
 /// to the lower index); emit(position, candidate) in ascending candidate
 /// order; returns the number kept. One pass: every candidate in 3xTF32 (or
 /// fp32 FMA). Two passes (prefill_two_pass, tensor cores): every candidate
-/// in plain tf32 and the bound delta of bound_tf32_delta; with s_k the k-th
-/// largest plain score, every candidate whose 3xTF32 score can reach the
-/// k-th largest 3xTF32 score has a plain score >= s_k - 2 delta (k
-/// candidates have 3xTF32 scores >= s_k - delta, and none outside that band
-/// exceeds s_k - delta). Those, in candidate order, are rescored in 3xTF32
+/// in plain tf32 and the bound delta of bound_tf32_delta; with s_k a plain
+/// score that at least k candidates reach (the k-th largest of 2k group
+/// maxima: at most the k-th largest plain score), every candidate whose
+/// 3xTF32 score can reach the k-th largest 3xTF32 score has a plain score
+/// >= s_k - 2 delta (k candidates have 3xTF32 scores >= s_k - delta, and
+/// none outside that band exceeds s_k - delta). Those, in candidate order, are rescored in 3xTF32
 /// and ranked among themselves, which keeps exactly what ranking every
 /// candidate would. A score that is not a finite number, a bound that is
 /// not finite, or a band of more than kPrefillExactMax candidates: every
@@ -460,16 +461,35 @@ __device__ int filter_stage(int count, int k, bool two_pass, int valid, int stag
   if (TensorCores && two_pass && prefill_two_pass(count, k)) {  // uniform
     if (t == 0) {  // ordered before readers by score_candidates' first barrier
       sh.cnorm2 = 0;
-      sh.kth = 0xFFFFFFFFu;
       sh.bad = 0;
     }
     score_candidates<D, prefill_scoring::plain_tf32>(count, valid, stages, qs, ring, red, partial, any_row, scores,
                                                     row_of, scale_of, &sh.cnorm2);
-    mark_top_k<Wide>(scores, count, k, keep, keys, temp);
-    for (int c = t; c < count; c += kSelectThreads) {
-      const float s = scores[c];
-      if (!isfinite(s)) sh.bad = 1;
-      if (keep[c]) atomicMin(&sh.kth, ordered_bits(s));
+    // s_k: the k-th largest of 2k group maxima (the groups partition the
+    // candidates), a plain score at least k candidates reach. One pass and
+    // a count over 2k maxima, not a ranking of every plain score.
+    filter_storage& fs = temp.filter;
+    const int ng = 2 * k;  // < count (prefill_two_pass)
+    const int lp = log2_lanes_per_item(ng), p = 1 << lp, g = t >> lp, sub = t & (p - 1);
+    {
+      topk_key m = kNoCandidate;
+      if (g < ng)
+        for (int c = g + ng * sub; c < count; c += ng * p) {
+          const float s = scores[c];
+          if (!isfinite(s)) sh.bad = 1;
+          m = max(m, make_key(s, c));
+        }
+      m = item_max(m, p);
+      if (g < ng && sub == 0) fs.group_max[g] = m;
+    }
+    __syncthreads();
+    {  // the maximum with exactly k - 1 above it (keys are distinct)
+      const topk_key mine = g < ng ? fs.group_max[g] : kNoCandidate;
+      int above = 0;
+      if (g < ng)
+        for (int u = sub; u < ng; u += p) above += fs.group_max[u] > mine ? 1 : 0;
+      above = item_sum(above, p);
+      if (g < ng && sub == 0 && above == k - 1) sh.kth = static_cast<unsigned>(mine >> 32);
     }
     __syncthreads();
     const float delta = bound_tf32_delta(__uint_as_float(sh.qnorm2), __uint_as_float(sh.cnorm2));
