@@ -13,11 +13,12 @@
 // among themselves. The kept sets are exactly those of scoring every
 // candidate in 3xTF32 (`two_pass = false`; the contract's scores are
 // fp32-grade). `use_tensor_cores = false` runs fp32 FMA on the CUDA cores
-// (4 x 4 outputs per thread). Queries and candidates sit row by row in
-// shared memory (D + 4 floats a row) and candidate rows arrive by cp.async,
-// a warp per 512-byte row; with `max_ring_stages = 2` the next round streams
-// in while this one is scored, but on an H200 the default single buffer
-// wins (it leaves room for a third CTA per SM).
+// (4 x 4 outputs per thread). Candidates sit row by row in shared memory
+// (D + 4 floats a row), arriving by cp.async (4 threads a row); the queries
+// row by row too (CUDA cores) or in mma fragment order (tensor cores). With
+// `max_ring_stages = 2` the next round streams in while this one is scored,
+// but on an H200 the default single buffer wins (it leaves room for a third
+// CTA per SM).
 // Ranking and compaction are the decode selection's (mark_top_k,
 // compact_marked): ties to the lower index, kept slices ascending, padded
 // with -1.
@@ -442,11 +443,11 @@ struct prefill_shared {
 /// maxima: at most the k-th largest plain score), every candidate whose
 /// 3xTF32 score can reach the k-th largest 3xTF32 score has a plain score
 /// >= s_k - 2 delta (k candidates have 3xTF32 scores >= s_k - delta, and
-/// none outside that band exceeds s_k - delta). Those, in candidate order, are rescored in 3xTF32
-/// and ranked among themselves, which keeps exactly what ranking every
-/// candidate would. A score that is not a finite number, a bound that is
-/// not finite, or a band of more than kPrefillExactMax candidates: every
-/// candidate in 3xTF32.
+/// none outside that band exceeds s_k - delta). Those, in candidate order,
+/// are rescored in 3xTF32 and ranked among themselves, which keeps exactly
+/// what ranking every candidate would. A score that is not a finite number,
+/// a bound that is not finite, or a band of more than kPrefillExactMax
+/// candidates: every candidate in 3xTF32.
 template <int D, bool Wide, bool TensorCores, class RowOf, class ScaleOf, class Emit>
 __device__ int filter_stage(int count, int k, bool two_pass, int valid, int stages, const float* qs, float* ring,
                             float* red, const float* partial, const float* any_row, float* scores,
