@@ -2,9 +2,12 @@
 // every argument check answer before any CUDA call, so they are CPU tests.
 #include <catch2/catch.hpp>
 
+#include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "hisparse/select/prefill_selection.cuh"
+#include "hisparse/workload/synthetic.hpp"
 
 using namespace hisparse;
 
@@ -106,4 +109,97 @@ TEST_CASE("select_prefill_async rejects bad input before touching the device", "
           "4096 fine candidates");
   rejects([](args& b, SparseAttentionConfig&, outs&) { b.num_q_heads = 12; }, status::invalid_argument,
           "num_q_heads");
+}
+
+/// The tensor-core kernels' query layout against the mma.m16n8k8 (tf32) A
+/// fragment: lane g * 4 + q4 holds A[g][k], A[g + 8][k], A[g][k + 4],
+/// A[g + 8][k + 4] for k = q4; and the dims it maps to each k must be the
+/// ones the kernel loads for B from a row-major candidate row (k-step s =
+/// 2 j + h of load j reads dims 32 (j / 2) + 8 q4 + 4 (j % 2) + 2 h and + 1).
+template <int D>
+void check_fragment_layout() {
+  INFO("head_dim " << D);
+  std::vector<int> hits(64 * D, 0);
+  for (int i = 0; i < 64; ++i)
+    for (int d = 0; d < D; ++d) {
+      const int off = select::detail::prefill_fragment_offset<D>(i, d);
+      REQUIRE(off >= 0);
+      REQUIRE(off < 64 * D);
+      ++hits[static_cast<std::size_t>(off)];
+    }
+  for (const int h : hits) REQUIRE(h == 1);  // a bijection onto 64 D floats
+  for (int qb = 0; qb < 4; ++qb)
+    for (int s = 0; s < D / 8; ++s)
+      for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, q4 = lane % 4;
+        const int j = s / 2, h = s % 2;  // the B load j (16 dims) and its half
+        const int b_dim = 32 * (j / 2) + 8 * q4 + 4 * (j % 2) + 2 * h;  // B's k = q4; k = q4 + 4 at + 1
+        const int base = ((qb * (D / 8) + s) * 32 + lane) * 4;
+        // elements 0..3: (row g, k), (row g + 8, k), (row g, k + 4), (row g + 8, k + 4)
+        CHECK(select::detail::prefill_fragment_offset<D>(16 * qb + g, b_dim) == base + 0);
+        CHECK(select::detail::prefill_fragment_offset<D>(16 * qb + g + 8, b_dim) == base + 1);
+        CHECK(select::detail::prefill_fragment_offset<D>(16 * qb + g, b_dim + 1) == base + 2);
+        CHECK(select::detail::prefill_fragment_offset<D>(16 * qb + g + 8, b_dim + 1) == base + 3);
+      }
+}
+
+TEST_CASE("prefill queries in mma fragment order: a bijection that agrees with the B loads", "[select][prefill]") {
+  check_fragment_layout<64>();
+  check_fragment_layout<128>();
+  check_fragment_layout<256>();
+}
+
+/// x with its low 13 mantissa bits cleared (truncate = true) or rounded
+/// to nearest: the two ways a tensor core may read fp32 bits as tf32.
+float to_tf32(float x, bool truncate) {
+  std::uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if (!truncate) u += 0x1000u;  // round half away (finite inputs well below overflow)
+  u &= 0xFFFFE000u;
+  std::memcpy(&x, &u, sizeof u);
+  return x;
+}
+
+TEST_CASE("prefill two passes: the rule, and the bound against emulated tf32 products", "[select][prefill]") {
+  using select::detail::prefill_two_pass;
+  // More than two rounds of 64 candidates, and room for 2k in the exact list.
+  CHECK_FALSE(prefill_two_pass(128, 16));
+  CHECK(prefill_two_pass(129, 16));
+  CHECK(prefill_two_pass(512, 64));
+  CHECK_FALSE(prefill_two_pass(512, 65));
+  CHECK_FALSE(prefill_two_pass(4096, 128));
+
+  // |plain tf32 score - exact| must stay within half the bound (the other
+  // half is the 3xTF32 score's own error), on vectors whose entries span 40
+  // binades, summed in fp32 in either order.
+  workload::splitmix64 rng(17);
+  double worst = 0;
+  for (int trial = 0; trial < 20000; ++trial) {
+    const int D = trial % 3 == 0 ? 64 : trial % 3 == 1 ? 128 : 256;
+    std::vector<float> q(D), c(D);
+    for (int d = 0; d < D; ++d) {
+      const double mag = std::ldexp(1.0 + rng.uniform(), static_cast<int>(rng.next() % 41) - 20);
+      q[d] = static_cast<float>(rng.next() & 1 ? mag : -mag);
+      c[d] = static_cast<float>(rng.normal() * std::ldexp(1.0, static_cast<int>(rng.next() % 9) - 4));
+    }
+    double exact = 0, q2 = 0, c2 = 0;
+    for (int d = 0; d < D; ++d) {
+      exact += static_cast<double>(q[d]) * c[d];
+      q2 += static_cast<double>(q[d]) * q[d];
+      c2 += static_cast<double>(c[d]) * c[d];
+    }
+    const float delta = select::detail::bound_tf32_delta(static_cast<float>(q2), static_cast<float>(c2));
+    for (const bool truncate : {true, false}) {
+      float forward = 0, backward = 0;
+      for (int d = 0; d < D; ++d) forward += to_tf32(q[d], truncate) * to_tf32(c[d], truncate);
+      for (int d = D - 1; d >= 0; --d) backward += to_tf32(q[d], truncate) * to_tf32(c[d], truncate);
+      for (const float plain : {forward, backward}) {
+        const double err = std::abs(plain - exact);
+        worst = std::max(worst, err / delta);
+        REQUIRE(err <= 0.5 * delta);
+      }
+    }
+  }
+  UNSCOPED_INFO("largest |plain - exact| / delta: " << worst);
+  CHECK(worst > 0.0);
 }

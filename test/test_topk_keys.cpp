@@ -5,11 +5,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 #include "hisparse/reference/sparse_attention.hpp"
 #include "hisparse/select/topk_keys.hpp"
+#include "hisparse/workload/synthetic.hpp"
 #include "test_support.hpp"
 
 using namespace hisparse;
@@ -66,4 +68,31 @@ TEST_CASE("top-k keys keep indices and reserve zero for padding", "[select][keys
   CHECK(select::make_key(-std::numeric_limits<float>::infinity(), 0) >
         select::make_key(std::numeric_limits<float>::quiet_NaN(), 0));
   CHECK(select::make_key(0.0f, 5) == select::make_key(-0.0f, 5));
+}
+
+TEST_CASE("from_ordered_bits inverts ordered_bits on every kind of number", "[select][keys]") {
+  const float special[] = {0.0f,
+                           1.0f,
+                           -1.0f,
+                           std::numeric_limits<float>::denorm_min(),
+                           -std::numeric_limits<float>::denorm_min(),
+                           std::numeric_limits<float>::min(),
+                           std::numeric_limits<float>::max(),
+                           std::numeric_limits<float>::lowest(),
+                           std::numeric_limits<float>::infinity(),
+                           -std::numeric_limits<float>::infinity()};
+  for (const float x : special) {
+    INFO(x);
+    CHECK(select::from_ordered_bits(select::ordered_bits(x)) == x);
+  }
+  // -0 ranks as +0 and comes back as +0.
+  CHECK(!std::signbit(select::from_ordered_bits(select::ordered_bits(-0.0f))));
+  workload::splitmix64 rng(11);
+  for (int i = 0; i < 100000; ++i) {
+    const auto bits = static_cast<std::uint32_t>(rng.next());
+    float x;
+    std::memcpy(&x, &bits, sizeof x);
+    if (std::isnan(x) || x == 0.0f) continue;
+    REQUIRE(select::from_ordered_bits(select::ordered_bits(x)) == x);
+  }
 }

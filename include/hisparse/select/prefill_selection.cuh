@@ -30,6 +30,7 @@
 // 3xTF32; the candidate rows come from L2, 10.5 GB. Measured: PERF_NOTES.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 
@@ -195,7 +196,7 @@ __device__ __forceinline__ unsigned tf32_cut(float x) { return __float_as_uint(x
 /// 16-byte load per lane and k-step, already in the mma's register order.
 /// This is the float offset of query i, dim d.
 template <int D>
-__device__ __forceinline__ int prefill_fragment_offset(int i, int d) {
+HISPARSE_HOST_DEVICE constexpr int prefill_fragment_offset(int i, int d) {
   const int dl = d % 32, s = d / 32 * 4 + dl % 8 / 2, lane = i % 8 * 4 + dl / 8;
   return ((i / 16 * (D / 8) + s) * 32 + lane) * 4 + dl % 2 * 2 + i % 16 / 8;
 }
@@ -414,14 +415,9 @@ HISPARSE_HOST_DEVICE constexpr bool prefill_two_pass(int count, int k) {
 /// The second term covers flushed subnormals (operands, split parts and
 /// products: < 2^-126 each, at most 2^9 of them, times |q| or |c| <= their
 /// norms), which no relative bound does.
-__device__ __forceinline__ float bound_tf32_delta(float qnorm2, float cnorm2) {
-  const float q = sqrtf(qnorm2), c = sqrtf(cnorm2);
+HISPARSE_HOST_DEVICE inline float bound_tf32_delta(float qnorm2, float cnorm2) {
+  const float q = std::sqrt(qnorm2), c = std::sqrt(cnorm2);
   return 0x1p-8f * q * c + 0x1p-110f * (q + c + 1.0f);
-}
-
-/// ordered_bits' inverse on numbers (not NaN).
-__device__ __forceinline__ float from_ordered_bits(std::uint32_t o) {
-  return __uint_as_float((o & 0x80000000u) ? (o & 0x7FFFFFFFu) : ~o);
 }
 
 /// A prefill CTA's shared scalars and the exact list of a two-pass stage.

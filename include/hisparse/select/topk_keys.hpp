@@ -30,6 +30,14 @@ HISPARSE_HOST_DEVICE inline std::uint32_t ordered_bits(float score) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+/// ordered_bits' inverse on numbers (not NaN; -0 comes back as +0).
+HISPARSE_HOST_DEVICE inline float from_ordered_bits(std::uint32_t o) {
+  const std::uint32_t u = (o & 0x80000000u) ? (o & 0x7FFFFFFFu) : ~o;
+  float score;
+  std::memcpy(&score, &u, sizeof score);
+  return score;
+}
+
 HISPARSE_HOST_DEVICE inline topk_key make_key(float score, std::int32_t index) {
   return (static_cast<topk_key>(ordered_bits(score)) << 32) |
          static_cast<topk_key>(0xFFFFFFFFu - static_cast<std::uint32_t>(index));
