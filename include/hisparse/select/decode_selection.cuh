@@ -504,6 +504,42 @@ __device__ __forceinline__ int item_sum(int x, int p) {
   return x;
 }
 
+/// Group maxima: group g of ng (ng <= kSelectThreads) holds candidates g,
+/// g + ng, g + 2 ng, ... of scores[0, count) and its p threads take every
+/// p-th of them; group_max[g] gets the largest key. visit(score) sees every
+/// score once.
+template <class Visit>
+__device__ __forceinline__ void store_group_maxima(const float* scores, int count, int ng, topk_key* group_max,
+                                                   Visit visit) {
+  const int t = static_cast<int>(threadIdx.x);
+  const int lp = log2_lanes_per_item(ng), p = 1 << lp;
+  const int g = t >> lp, sub = t & (p - 1);
+  topk_key m = kNoCandidate;
+  if (g < ng)
+    for (int i = g + ng * sub; i < count; i += ng * p) {
+      visit(scores[i]);
+      m = max(m, make_key(scores[i], i));
+    }
+  m = item_max(m, p);
+  if (g < ng && sub == 0) group_max[g] = m;
+}
+
+/// The group maximum with exactly k - 1 above it (keys are distinct; k <=
+/// ng): at least k candidates reach it, so every one of the true top k does.
+/// found(key) runs in the one thread that holds it.
+template <class Found>
+__device__ __forceinline__ void find_kth_group_maximum(const topk_key* group_max, int ng, int k, Found found) {
+  const int t = static_cast<int>(threadIdx.x);
+  const int lp = log2_lanes_per_item(ng), p = 1 << lp;
+  const int g = t >> lp, sub = t & (p - 1);
+  const topk_key mine = g < ng ? group_max[g] : kNoCandidate;
+  int above = 0;
+  if (g < ng)
+    for (int u = sub; u < ng; u += p) above += group_max[u] > mine ? 1 : 0;
+  above = item_sum(above, p);
+  if (g < ng && sub == 0 && above == k - 1) found(mine);
+}
+
 /// Appends the keys of scores[0, count) that reach `threshold` to keys[],
 /// one shared atomic per warp (warp_append); *fill counts them.
 __device__ __forceinline__ void append_survivors(const float* scores, int count, topk_key threshold, topk_key* keys,
@@ -577,28 +613,11 @@ __device__ void mark_top_k(const float* scores, int count, int k, unsigned char*
     }
   }
   filter_storage& fs = temp.filter;
-  // Group g holds candidates g, g + ng, g + 2 ng, ...; its p threads take
-  // every p-th of them.
   const int ng = min(count, 2 * k);  // <= 2 * kFilterMaxK = kSelectThreads
-  const int lp = log2_lanes_per_item(ng), p = 1 << lp;
-  const int g = t >> lp, sub = t & (p - 1);
-  {
-    topk_key m = kNoCandidate;
-    if (g < ng)
-      for (int i = g + ng * sub; i < count; i += ng * p) m = max(m, make_key(scores[i], i));
-    m = item_max(m, p);
-    if (g < ng && sub == 0) fs.group_max[g] = m;
-  }
+  store_group_maxima(scores, count, ng, fs.group_max, [](float) {});
   if (t == 0) fs.fill = 0;
   __syncthreads();
-  {  // the group maximum with exactly k - 1 above it (keys are distinct)
-    const topk_key mine = g < ng ? fs.group_max[g] : kNoCandidate;
-    int above = 0;
-    if (g < ng)
-      for (int u = sub; u < ng; u += p) above += fs.group_max[u] > mine ? 1 : 0;
-    above = item_sum(above, p);
-    if (g < ng && sub == 0 && above == k - 1) fs.threshold = mine;
-  }
+  find_kth_group_maximum(fs.group_max, ng, k, [&](topk_key key) { fs.threshold = key; });
   __syncthreads();
   const topk_key threshold = fs.threshold;
   append_survivors(scores, count, threshold, keys, &fs.fill);

@@ -466,28 +466,11 @@ __device__ int filter_stage(int count, int k, bool two_pass, int valid, int stag
     // candidates), a plain score at least k candidates reach. One pass and
     // a count over 2k maxima, not a ranking of every plain score.
     filter_storage& fs = temp.filter;
-    const int ng = 2 * k;  // < count (prefill_two_pass)
-    const int lp = log2_lanes_per_item(ng), p = 1 << lp, g = t >> lp, sub = t & (p - 1);
-    {
-      topk_key m = kNoCandidate;
-      if (g < ng)
-        for (int c = g + ng * sub; c < count; c += ng * p) {
-          const float s = scores[c];
-          if (!isfinite(s)) sh.bad = 1;
-          m = max(m, make_key(s, c));
-        }
-      m = item_max(m, p);
-      if (g < ng && sub == 0) fs.group_max[g] = m;
-    }
+    store_group_maxima(scores, count, 2 * k, fs.group_max, [&](float s) {  // 2k < count (prefill_two_pass)
+      if (!isfinite(s)) sh.bad = 1;
+    });
     __syncthreads();
-    {  // the maximum with exactly k - 1 above it (keys are distinct)
-      const topk_key mine = g < ng ? fs.group_max[g] : kNoCandidate;
-      int above = 0;
-      if (g < ng)
-        for (int u = sub; u < ng; u += p) above += fs.group_max[u] > mine ? 1 : 0;
-      above = item_sum(above, p);
-      if (g < ng && sub == 0 && above == k - 1) sh.kth = static_cast<unsigned>(mine >> 32);
-    }
+    find_kth_group_maximum(fs.group_max, 2 * k, k, [&](topk_key key) { sh.kth = static_cast<unsigned>(key >> 32); });
     __syncthreads();
     const float delta = bound_tf32_delta(__uint_as_float(sh.qnorm2), __uint_as_float(sh.cnorm2));
     if (!sh.bad && delta < __int_as_float(0x7f800000)) {  // uniform; false for a NaN delta too
