@@ -217,6 +217,8 @@ void BM_decode_step(benchmark::State& state) {
   state.counters["copy_GBps"] = copy * 1e-9;
   state.counters["attention_of_copy"] = attn_bytes / attn_s / copy;
   state.counters["dense_of_copy"] = dense_bytes_read / dense_s / copy;
+  state.counters["splits"] = sparse.attention_plan().splits;
+  state.counters["cluster_merge"] = sparse.attention_plan().cluster_merge ? 1 : 0;
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 

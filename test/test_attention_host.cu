@@ -100,15 +100,87 @@ TEST_CASE("decode attention leaves the wave's reserved slots to the kernel besid
   CHECK(beside.splits == 3);
   CHECK(std::int64_t{beside.splits} * 64 <= 2 * kSms - 64);
   CHECK(std::int64_t{beside.splits} * beside.slices_per_split >= 25);
-  // More reserved than the wave holds: still one split.
+  // Both merge as a cluster (sm_90, at most 8 splits): 4 heads x 3 splits
+  // of 128 outputs and an LSE in CTA 0's drained ring.
+  CHECK(full.cluster_merge);
+  CHECK(beside.cluster_merge);
+  CHECK(beside.merge_offset == 4 * 8 * (2 + 128 + 8) * 4);  // in the ring, past the warps' merge
+  CHECK(beside.smem_bytes == 3 * 32 * 1024);
+  CHECK(beside.ctas_per_sm == 2);
+  // More reserved than the wave holds: still one split, nothing to merge.
   REQUIRE(attention::plan_decode_attention(a, kSms, beside, 0, 100000) == status::success);
   CHECK(beside.splits == 1);
   CHECK(beside.slices_per_split == 25);
+  CHECK_FALSE(beside.cluster_merge);
+  CHECK(beside.smem_bytes == 3 * 32 * 1024);
+  // B = 1: a wave would take 25 splits of one slice; a sparse run takes at
+  // most a cluster's 8 (7 of 4 slices) on sm_90, and all 25 without clusters.
+  a.batch = 1;
+  attention::decode_attention_plan one;
+  REQUIRE(attention::plan_decode_attention(a, kSms, one) == status::success);
+  CHECK(one.splits == 7);
+  CHECK(one.slices_per_split == 4);
+  CHECK(one.cluster_merge);
+  attention::gpu_limits ampere;
+  ampere.sms = kSms;
+  ampere.cc_major = 8;
+  REQUIRE(attention::plan_decode_attention(a, ampere, one) == status::success);
+  CHECK(one.splits == 25);
+  CHECK_FALSE(one.cluster_merge);
+  // The dense baseline keeps the whole wave (4096 slices: 33 splits).
+  REQUIRE(attention::plan_decode_attention(dense_args(1, 4096), kSms, one) == status::success);
+  CHECK(one.splits == 33);
+  CHECK_FALSE(one.cluster_merge);
+}
+
+TEST_CASE("decode attention merges in a cluster where the partials fit its ring", "[attention][plan]") {
+  const auto a = dense_args(1, 4096);
+  attention::gpu_limits gpu;
+  const int offset = 4 * 8 * (2 + 128 + 8) * 4;  // past the warps' merge (4 warps, 8 heads, head_dim 128)
+  for (const int sms : {4, 8, 16, 32, 64}) {      // 2 slots per SM / 8 (B x KV heads): 1 to 16 splits
+    gpu.sms = sms;
+    for (const int cc : {8, 9}) {
+      gpu.cc_major = cc;
+      INFO(sms << " SMs, sm_" << cc << "x");
+      attention::decode_attention_plan p;
+      REQUIRE(attention::plan_decode_attention(a, gpu, p) == status::success);
+      CHECK(p.splits == sms / 4);
+      // 4 heads x up to 8 splits x (128 outputs + an LSE) = 16.5 KB fit the
+      // 96 KB ring past the warps' 17 KB.
+      const bool expect = cc >= 9 && p.splits >= 2 && p.splits <= 8;
+      CHECK(p.cluster_merge == expect);
+      CHECK(p.merge_offset == (expect ? offset : 0));
+      CHECK(p.smem_bytes == 3 * 32 * 1024);  // no shared memory of their own
+      CHECK(p.ctas_per_sm == 2);
+      // The workspace holds the partials either way (an sm_80 build on an
+      // sm_90 part merges through it).
+      if (p.splits > 1) CHECK(p.workspace_bytes > p.counter_bytes);
+    }
+  }
+  // One 32 KB stage (40 KB per CTA): the 15 KB past the warps' merge hold
+  // up to 7 splits of 4 heads (2 KB each), not 8.
+  gpu.cc_major = 9;
+  gpu.smem_per_block = 40 * 1024;
+  gpu.smem_per_sm = 100 * 1024;
+  for (const int sms : {12, 16}) {  // two CTAs per SM: 3 and 4 splits
+    gpu.sms = sms;
+    attention::decode_attention_plan p;
+    REQUIRE(attention::plan_decode_attention(a, gpu, p) == status::success);
+    CHECK(p.stages == 1);
+    CHECK(p.splits == sms / 4);
+    CHECK(p.cluster_merge);
+  }
+  gpu.sms = 32;
+  attention::decode_attention_plan p;
+  REQUIRE(attention::plan_decode_attention(a, gpu, p) == status::success);
+  CHECK(p.splits == 8);
+  CHECK_FALSE(p.cluster_merge);
 }
 
 TEST_CASE("decode attention sizes its shared-memory ring to the GPU", "[attention][plan]") {
   // An RTX 4090 (sm_89): 100 KB per SM, 99 KB per CTA.
   attention::gpu_limits ada;
+  ada.cc_major = 8;  // no clusters: the merge goes through the workspace
   ada.sms = 128;
   ada.smem_per_sm = 100 * 1024;
   ada.smem_per_block = 99 * 1024;
@@ -136,11 +208,15 @@ TEST_CASE("decode attention sizes its shared-memory ring to the GPU", "[attentio
   CHECK(attention::decode_attention_async<bf16, two_stages>(deep, dense_args(8, 4096), workspace) ==
         status::invalid_argument);
   // A plan edited by hand past what the kernel can hold is refused.
-  for (int field = 0; field < 3; ++field) {
+  REQUIRE(deep.cluster_merge);  // 2 splits
+  for (int field = 0; field < 6; ++field) {
     auto edited = deep;
     if (field == 0) edited.stages = 4;
     if (field == 1) edited.splits = 65;
     if (field == 2) edited.smem_bytes = 32 * 1024;
+    if (field == 3) edited.splits = 9;                          // past the portable cluster size
+    if (field == 4) edited.merge_offset = 64;                   // over the warps' merge
+    if (field == 5) edited.smem_bytes = edited.merge_offset;  // no room for the partials
     CHECK(attention::decode_attention_async(edited, dense_args(8, 4096), workspace) == status::invalid_argument);
     CHECK_THAT(last_error(), Catch::Contains("inconsistent"));
   }

@@ -6,9 +6,13 @@
 //  * dense: every slice [0, length) -- the in-library baseline.
 // A (sequence, KV head) attends up to `max_items` slices (sparse: the
 // window's, then the kept ones); `splits` CTAs share them round robin (CTA s
-// takes items s, s + splits, ...: flash-decoding), and the last CTA of a
-// (sequence, KV head) to finish merges their partial results by
-// log-sum-exp. Up to 8 query heads of the GQA group share every K/V load.
+// takes items s, s + splits, ...: flash-decoding), and their partial
+// results are merged by log-sum-exp: on sm_90 with at most 8 splits the
+// splits are one thread-block cluster, and CTA 0 merges the partials the
+// others write into its drained ring (two cluster barriers, no global
+// memory); otherwise the last CTA to finish merges them through the
+// workspace (a fence and a counter). Up to 8 query heads of the GQA group
+// share every K/V load.
 // Launched as a programmatic dependent of the selection
 // (hierarchical_decode::run, sm_90), the CTAs start while the selection
 // runs, attend their share of the window (which does not depend on it), and
@@ -38,6 +42,7 @@
 
 #include "hisparse/config.hpp"
 #include "hisparse/core/async_copy.cuh"
+#include "hisparse/core/cluster.cuh"
 #include "hisparse/core/gpu_limits.hpp"
 #include "hisparse/core/dtype.hpp"
 #include "hisparse/core/kernel_build.hpp"
@@ -108,6 +113,13 @@ struct decode_attention_plan {
   int stages = 0;            ///< shared-memory ring depth (<= the tile policy's stages)
   int ctas_per_sm = 0;       ///< resident CTAs per SM the grid was sized for
   int smem_bytes = 0;        ///< dynamic shared memory per CTA
+  /// The splits are one thread-block cluster and merge in CTA 0's shared
+  /// memory, at byte `merge_offset` of its drained ring (past the warps'
+  /// merge): sm_90+, 2 to 8 splits, and the partials fit the ring.
+  /// Otherwise (or where the loaded build is older than sm_90) the merge
+  /// goes through the workspace.
+  bool cluster_merge = false;
+  int merge_offset = 0;
   tile_policy tile{};        ///< the tile policy planned for (a launch must use the same)
   // The arguments' shape the plan was made for (checked at launch).
   int batch = 0, num_q_heads = 0, kv_heads = 0, head_dim = 0, counter_batch = 0;
@@ -123,6 +135,8 @@ inline constexpr int kMaxHeadsPerCta = 8;
 /// Most CTAs along one (sequence, KV head): the merge keeps one weight per
 /// split and head in shared memory.
 inline constexpr int kMaxSplits = 64;
+/// Most splits merged in a cluster: the portable cluster size.
+inline constexpr int kMaxClusterSplits = 8;
 /// Page pointers a CTA keeps in shared memory (fetched in parallel, refilled
 /// when the walk passes them): one dependent load per 128 slices, not one
 /// per slice.
@@ -154,11 +168,22 @@ HISPARSE_HOST_DEVICE constexpr int stage_bytes(int rows, int head_dim, int elem_
 HISPARSE_HOST_DEVICE constexpr int warp_merge_bytes(int warps, int head_dim) {
   return warps * kMaxHeadsPerCta * (2 + head_dim + 8) * 4;
 }
+/// Bytes of a cluster merge's partials in CTA 0: per head and split the
+/// output row and the LSE ([heads][splits][head_dim], then [heads][splits]).
+HISPARSE_HOST_DEVICE constexpr int cluster_merge_bytes(int heads, int splits, int head_dim) {
+  return heads * splits * (head_dim + 1) * 4;
+}
+/// Where they start in CTA 0's ring: past the warps' merge, which runs
+/// while the other CTAs write them.
+HISPARSE_HOST_DEVICE constexpr int cluster_merge_offset(int warps, int head_dim) {
+  return (warp_merge_bytes(warps, head_dim) + 15) / 16 * 16;
+}
 
 template <class T>
 struct decode_attention_params {
   decode_attention_arguments<T> a;
   int group, head_splits, splits, stages;
+  int merge_offset;  ///< > 0: the splits are a cluster; CTA 0's partials at this dynamic shared-memory byte
   float scale_log2;  ///< softmax scale * log2(e)
   float* partial_out;      ///< [batch][num_q_heads][splits][head_dim]
   float* partial_lse;      ///< [batch][num_q_heads][splits], log2 domain
@@ -273,6 +298,9 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
   auto& merge_w = scratch.w;
   __shared__ float merge_lse[kHeads];
   __shared__ bool last_cta;
+
+  // The splits of a (sequence, KV head) are one cluster (see the merge).
+  const bool clustered = p.merge_offset > 0;
 
   const auto& a = p.a;
   const auto& c = a.cache;
@@ -522,6 +550,11 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
   }
   const int active = min(S, items);  // CTAs with at least one item
   if (split >= active) return;
+  // Clustered: this CTA no longer reads its ring (CTA 0's: the others may
+  // write their partials past its warp-merge area once everyone has
+  // arrived; CTAs without items have left, and the barrier does not wait
+  // for exited threads). The wait is after the warp merge.
+  if (clustered) ptx::cluster_arrive();
 
   // Merge the warps in the (drained) ring: per head, rescale every warp to
   // the common max.
@@ -539,6 +572,16 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
   __syncthreads();
 
   const bool single = active == 1;
+  // Where this CTA's partial goes: the output (single), CTA 0's ring past
+  // its warp-merge area (clustered: [heads][splits][D] outputs, then
+  // [heads][splits] LSEs), or the workspace.
+  float* cluster_out = nullptr;
+  float* cluster_lse = nullptr;
+  if (clustered && !single) {
+    ptx::cluster_wait();  // every CTA of the cluster is done with its ring
+    cluster_out = ptx::cluster_map(reinterpret_cast<float*>(ring + p.merge_offset), 0u);
+    cluster_lse = cluster_out + min(kHeads, p.group) * S * D;
+  }
   for (int i = threadIdx.x; i < heads * D; i += kThreads) {
     const int g = i / D, d = i % D;
     float mx = kNegInf;
@@ -555,6 +598,9 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
     if (single) {
       a.out[row * D + d] = from_float<T>(out / sum);
       if (a.lse != nullptr && d == 0) a.lse[row] = lse2 * kLn2;
+    } else if (clustered) {
+      cluster_out[(g * S + split) * D + d] = out / sum;
+      if (d == 0) cluster_lse[g * S + split] = lse2;
     } else {
       p.partial_out[(row * p.splits + split) * D + d] = out / sum;
       if (d == 0) p.partial_lse[row * p.splits + split] = lse2;
@@ -562,27 +608,17 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
   }
   if (single) return;
 
-  // Flash-decoding merge by the last CTA of this (sequence, KV head, head
-  // split) to finish: publish the partials, count arrivals, and the last
-  // one combines every run and resets the counter for the next run.
-  __threadfence();
-  __syncthreads();
-  unsigned* counter = p.counters + std::int64_t{b} * gridDim.y + blockIdx.y;
-  if (threadIdx.x == 0) {
-    const unsigned done = atomicAdd(counter, 1u);
-    last_cta = done + 1 == static_cast<unsigned>(active);
-  }
-  __syncthreads();
-  if (!last_cta) return;
-  __threadfence();
-  // The partials go through the drained ring by cp.async, `per_round`
-  // splits at a time (all of them at B >= 8), beside the weights' loads:
-  // one trip to L2 for everything, with nothing held in registers. A head's
-  // partials are contiguous: [splits][D].
+  // Flash-decoding merge. Clustered: the partials are in CTA 0's shared
+  // memory once every CTA with items has arrived a second time; the others
+  // leave (nobody reads their shared memory). Otherwise by the last
+  // CTA of this (sequence, KV head, head split) to finish: publish the
+  // partials, count arrivals, and the last one stages every run and resets
+  // the counter for the next run.
   static_assert(2 * kTileBytes >= kHeads * D * 4, "one split's partials fit a ring stage");
-  const int per_round = stages * 2 * kTileBytes / (heads * D * 4);
-  const auto* staged = reinterpret_cast<const float*>(ring);  // [heads][per_round][D]
-  auto stage_round = [&](int sp0) {
+  const float* staged;  // [heads][per_round][D]
+  int per_round;
+  unsigned* counter = nullptr;
+  auto stage_round = [&](int sp0) {  // the workspace path: splits [sp0, sp0 + per_round) into the ring
     const int n = min(per_round, active - sp0);
     for (int c4 = threadIdx.x; c4 < heads * n * (D / 4); c4 += kThreads) {  // 16-byte chunks
       const int g = c4 / (n * (D / 4)), r = c4 % (n * (D / 4));
@@ -591,9 +627,35 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
     }
     cp_async_commit();
   };
-  stage_round(0);
-  for (int i = threadIdx.x; i < heads * active; i += kThreads)
-    merge_w[i / active][i % active] = __ldcg(p.partial_lse + (q_row0 + i / active) * p.splits + i % active);
+  if (clustered) {
+    ptx::cluster_arrive();  // releases this CTA's partial
+    if (split != 0) return;
+    ptx::cluster_wait();
+    staged = reinterpret_cast<const float*>(ring + p.merge_offset);
+    per_round = S;
+    for (int i = threadIdx.x; i < heads * active; i += kThreads)
+      merge_w[i / active][i % active] = staged[min(kHeads, p.group) * S * D + (i / active) * S + i % active];
+  } else {
+    __threadfence();
+    __syncthreads();
+    counter = p.counters + std::int64_t{b} * gridDim.y + blockIdx.y;
+    if (threadIdx.x == 0) {
+      const unsigned done = atomicAdd(counter, 1u);
+      last_cta = done + 1 == static_cast<unsigned>(active);
+    }
+    __syncthreads();
+    if (!last_cta) return;
+    __threadfence();
+    // The partials go through the drained ring by cp.async, `per_round`
+    // splits at a time (all of them at B >= 8), beside the weights' loads:
+    // one trip to L2 for everything, with nothing held in registers. A
+    // head's partials are contiguous: [splits][D].
+    per_round = stages * 2 * kTileBytes / (heads * D * 4);
+    staged = reinterpret_cast<const float*>(ring);
+    stage_round(0);
+    for (int i = threadIdx.x; i < heads * active; i += kThreads)
+      merge_w[i / active][i % active] = __ldcg(p.partial_lse + (q_row0 + i / active) * p.splits + i % active);
+  }
   __syncthreads();
   // Warp g % Warps weighs head g: two splits a lane (kMaxSplits = 64), the
   // max and the sum by shuffles.
@@ -647,7 +709,7 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
       if (a.lse != nullptr && d == 0) a.lse[row] = merge_lse[g] * kLn2;
     }
   }
-  if (threadIdx.x == 0) *counter = 0;
+  if (counter != nullptr && threadIdx.x == 0) *counter = 0;
 }
 
 /// Whether this device runs a build of the kernel compiled for sm_90+ (and
@@ -663,7 +725,7 @@ bool programmatic_launch_available() {
 }
 
 template <class T, int D, tile_policy Tile>
-status launch_decode_attention(const decode_attention_params<T>& p, int smem_bytes, bool overlap_previous,
+status launch_decode_attention(decode_attention_params<T> p, int smem_bytes, bool overlap_previous,
                                cudaStream_t stream) {
   auto* kernel = &decode_attention_kernel<T, D, Tile.warps, Tile.stages>;
   // Raise the kernel's dynamic shared-memory limit whenever a launch needs
@@ -688,18 +750,31 @@ status launch_decode_attention(const decode_attention_params<T>& p, int smem_byt
   config.blockDim = dim3(static_cast<unsigned>(Tile.threads()));
   config.dynamicSmemBytes = static_cast<std::size_t>(smem_bytes);
   config.stream = stream;
-  cudaLaunchAttribute attribute[1];
+  cudaLaunchAttribute attribute[2];
+  unsigned n = 0;
   // Only a sparse run waits (griddepcontrol.wait) before reading what the
   // previous kernel wrote; a dense one is never launched programmatically.
   // Programmatic edges in captured graphs came with CUDA 12.3: older
   // toolkits launch in plain stream order.
   constexpr bool kToolkitOverlaps = CUDART_VERSION >= 12030;
-  if (kToolkitOverlaps && overlap_previous && p.a.sparse() && programmatic_launch_available<T, D, Tile>()) {
-    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute[0].val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = attribute;
-    config.numAttrs = 1;
+  const bool sm90 = programmatic_launch_available<T, D, Tile>();  // the loaded build is sm_90+
+  if (kToolkitOverlaps && overlap_previous && p.a.sparse() && sm90) {
+    attribute[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
   }
+  // The cluster merge needs the sm_90 build; an older one merges through
+  // the workspace, which the plan always holds.
+  if (p.merge_offset > 0 && !sm90) p.merge_offset = 0;
+  if (p.merge_offset > 0) {
+    attribute[n].id = cudaLaunchAttributeClusterDimension;
+    attribute[n].val.clusterDim.x = static_cast<unsigned>(p.splits);
+    attribute[n].val.clusterDim.y = 1;
+    attribute[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  config.attrs = n > 0 ? attribute : nullptr;
+  config.numAttrs = n;
   HISPARSE_CUDA_TRY(cudaLaunchKernelEx(&config, kernel, p));
   return status::success;
 }
@@ -767,9 +842,29 @@ template <tile_policy Tile = kDecodeTile, class T>
   const std::int64_t per_split = std::int64_t{a.batch} * a.cache.kv_heads * plan.head_splits;
   const std::int64_t slots = std::int64_t{plan.ctas_per_sm} * std::max(gpu.sms, 1) - std::max(reserved_ctas, 0);
   const std::int64_t want = std::max<std::int64_t>(1, slots / per_split);
-  const std::int64_t splits_wanted = std::min<std::int64_t>(want, detail::kMaxSplits);
+  std::int64_t splits_wanted = std::min<std::int64_t>(want, detail::kMaxSplits);
+  // A sparse run has few items per (sequence, KV head) (25 by default), and
+  // merging more than a cluster's 8 splits through the workspace costs more
+  // than the extra CTAs gain: at B = 1, T = 256K, 7 splits merged in a
+  // cluster took the step from 24.0 to 22.8 us against 25 (H200). A dense
+  // run streams thousands of slices and keeps every CTA it can fill.
+  const auto cluster_fits = [&](std::int64_t splits) {
+    return gpu.cc_major >= 9 && splits >= 2 && splits <= detail::kMaxClusterSplits &&
+           detail::cluster_merge_offset(Tile.warps, a.cache.head_dim) +
+                   detail::cluster_merge_bytes(plan.heads_per_cta, static_cast<int>(splits), a.cache.head_dim) <=
+               plan.stages * stage;
+  };
+  if (a.sparse() && splits_wanted > detail::kMaxClusterSplits && cluster_fits(detail::kMaxClusterSplits))
+    splits_wanted = detail::kMaxClusterSplits;
   plan.slices_per_split = static_cast<int>(std::max<std::int64_t>(1, (a.max_items + splits_wanted - 1) / splits_wanted));
   plan.splits = (a.max_items + plan.slices_per_split - 1) / plan.slices_per_split;
+  // The splits merge as a cluster where the partials fit in the ring past
+  // the warps' merge (H200, B = 8, T = 256K: 3 splits of 4 heads, 6 KB
+  // past 18 KB of a 96 KB ring). Partials in shared memory of their own
+  // measured slower: 39.6 against 38.3 us per step at B = 8 (6 KB more per
+  // CTA: fewer attention CTAs start beside the selection's).
+  plan.cluster_merge = cluster_fits(plan.splits);
+  plan.merge_offset = plan.cluster_merge ? detail::cluster_merge_offset(Tile.warps, a.cache.head_dim) : 0;
   if (std::int64_t{a.cache.kv_heads} * plan.head_splits > 65535 || a.batch > 65535)
     return fail(status::unsupported, "decode attention: batch and KV heads are limited to 65535 (grid y and z)");
   plan.batch = a.batch;
@@ -840,8 +935,18 @@ template <class T, tile_policy Tile = kDecodeTile>
   if (plan.splits < 1 || plan.tile != Tile)
     return fail(status::invalid_argument, "decode attention: the plan is empty or was made for another tile policy");
   // The kernel trusts these three; a plan edited by hand must not break them.
-  if (plan.stages < 1 || plan.stages > Tile.stages || plan.splits > detail::kMaxSplits ||
-      plan.smem_bytes < plan.stages * detail::stage_bytes(Tile.block_kv, a.cache.head_dim, static_cast<int>(sizeof(T))))
+  const int ring_bytes =
+      std::max(plan.stages * detail::stage_bytes(Tile.block_kv, a.cache.head_dim, static_cast<int>(sizeof(T))),
+               detail::warp_merge_bytes(Tile.warps, a.cache.head_dim));
+  const int merge_end =
+      detail::cluster_merge_offset(Tile.warps, a.cache.head_dim) +
+      detail::cluster_merge_bytes(std::min(a.num_q_heads / a.cache.kv_heads, detail::kMaxHeadsPerCta), plan.splits,
+                                  a.cache.head_dim);
+  if (plan.stages < 1 || plan.stages > Tile.stages || plan.splits > detail::kMaxSplits || plan.smem_bytes < ring_bytes ||
+      (plan.cluster_merge &&
+       (plan.splits < 2 || plan.splits > detail::kMaxClusterSplits ||
+        plan.merge_offset != detail::cluster_merge_offset(Tile.warps, a.cache.head_dim) ||
+        plan.smem_bytes < merge_end)))
     return fail(status::invalid_argument,
                 "decode attention: the plan's stages, splits or shared memory are inconsistent (plan again)");
   HISPARSE_TRY(can_implement_decode_attention(a));
@@ -860,6 +965,7 @@ template <class T, tile_policy Tile = kDecodeTile>
   p.head_splits = plan.head_splits;
   p.splits = plan.splits;
   p.stages = plan.stages;
+  p.merge_offset = plan.cluster_merge ? plan.merge_offset : 0;
   const float scale = a.softmax_scale > 0.0f ? a.softmax_scale : 1.0f / std::sqrt(static_cast<float>(a.cache.head_dim));
   p.scale_log2 = scale * detail::kLog2e;
   auto* ws = static_cast<char*>(workspace);

@@ -1,6 +1,7 @@
 #pragma once
-// What a launch plan needs to know of the GPU: multiprocessors and shared
-// memory. Host calls only (no stream work), so planning stays capturable.
+// What a launch plan needs to know of the GPU: multiprocessors, shared
+// memory and whether it has thread-block clusters. Host calls only (no
+// stream work), so planning stays capturable.
 
 #include <cuda_runtime_api.h>
 
@@ -9,12 +10,13 @@
 namespace hisparse {
 
 /// The defaults are an sm_90 part (H100/H200: 228 KB of shared memory per SM,
-/// 227 KB per CTA); an RTX 4090 (sm_89) has 100 KB and 99 KB.
-/// `current_gpu_limits` reads the real ones.
+/// 227 KB per CTA, thread-block clusters); an RTX 4090 (sm_89) has 100 KB
+/// and 99 KB and no clusters. `current_gpu_limits` reads the real ones.
 struct gpu_limits {
   int sms = 0;
   int smem_per_sm = 228 * 1024;
   int smem_per_block = 227 * 1024;
+  int cc_major = 9;  ///< compute capability, major: clusters from 9 on
 };
 
 /// The current device's multiprocessors and shared memory.
@@ -24,6 +26,7 @@ struct gpu_limits {
   HISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&gpu.sms, cudaDevAttrMultiProcessorCount, device));
   HISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&gpu.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
   HISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&gpu.smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  HISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&gpu.cc_major, cudaDevAttrComputeCapabilityMajor, device));
   return status::success;
 }
 

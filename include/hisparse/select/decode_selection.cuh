@@ -21,12 +21,12 @@
 #include <cstdint>
 #include <string>
 
-#include <cooperative_groups.h>
 #include <cub/block/block_scan.cuh>
 #include <cuda_runtime_api.h>
 
 #include "hisparse/config.hpp"
 #include "hisparse/core/async_copy.cuh"
+#include "hisparse/core/cluster.cuh"
 #include "hisparse/core/dtype.hpp"
 #include "hisparse/core/kernel_build.hpp"
 #include "hisparse/core/status.hpp"
@@ -153,12 +153,7 @@ template <int S>
 struct cluster_ops {
   __device__ static unsigned rank() {
     if constexpr (S == 1) return 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    return cooperative_groups::this_cluster().block_rank();
-#else
-    __trap();
-    return 0;
-#endif
+    return ptx::cluster_rank();
   }
   /// Barrier across the cluster with release/acquire semantics: shared
   /// memory written (locally or remotely) before it is visible after it.
@@ -171,46 +166,25 @@ struct cluster_ops {
   /// the cluster has arrived, and acquires. With S = 1 arrive() is nothing
   /// and wait() is __syncthreads().
   __device__ static void arrive() {
-    if constexpr (S > 1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      asm volatile("barrier.cluster.arrive.aligned;\n" ::: "memory");
-#else
-      __trap();
-#endif
-    }
+    if constexpr (S > 1) ptx::cluster_arrive();
   }
   /// arrive() without the release: for a barrier that only says "this CTA
   /// is running" (no memory of it is read across the barrier).
   __device__ static void arrive_relaxed() {
-    if constexpr (S > 1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-#else
-      __trap();
-#endif
-    }
+    if constexpr (S > 1) ptx::cluster_arrive_relaxed();
   }
   __device__ static void wait() {
     if constexpr (S == 1) {
       __syncthreads();
     } else {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
-#else
-      __trap();
-#endif
+      ptx::cluster_wait();
     }
   }
   /// `p` (an address in this CTA's shared memory) in CTA `r` of the cluster.
   template <class T>
   __device__ static T* peer(T* p, unsigned r) {
     if constexpr (S == 1) return p;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    return cooperative_groups::this_cluster().map_shared_rank(p, r);
-#else
-    __trap();
-    return p;
-#endif
+    return ptx::cluster_map(p, r);
   }
 };
 
