@@ -133,21 +133,28 @@ TEST_CASE("decode attention leaves the wave's reserved slots to the kernel besid
   CHECK_FALSE(one.cluster_merge);
 }
 
-TEST_CASE("decode attention merges in a cluster where the partials fit its ring", "[attention][plan]") {
-  const auto a = dense_args(1, 4096);
+TEST_CASE("a sparse decode attention merges in a cluster where the partials fit its ring", "[attention][plan]") {
+  auto a = dense_args(1, 4096);
+  a.top_k_fine = 64;
+  a.window = 512;
+  a.max_items = 73;  // 64 kept slices + 9 window slices
   attention::gpu_limits gpu;
   const int offset = 4 * 8 * (2 + 128 + 8) * 4;  // past the warps' merge (4 warps, 8 heads, head_dim 128)
-  for (const int sms : {4, 8, 16, 32, 64}) {      // 2 slots per SM / 8 (B x KV heads): 1 to 16 splits
-    gpu.sms = sms;
+  // 2 slots per SM / 8 (B x KV heads) -> 1, 2, 4, 8, 16 splits wanted; a
+  // sparse run on sm_90 takes at most 8.
+  const int sms[] = {4, 8, 16, 32, 64};
+  const int splits_sm90[] = {1, 2, 4, 8, 8}, splits_sm80[] = {1, 2, 4, 8, 15};
+  for (int i = 0; i < 5; ++i) {
+    gpu.sms = sms[i];
     for (const int cc : {8, 9}) {
       gpu.cc_major = cc;
-      INFO(sms << " SMs, sm_" << cc << "x");
+      INFO(sms[i] << " SMs, sm_" << cc << "x");
       attention::decode_attention_plan p;
       REQUIRE(attention::plan_decode_attention(a, gpu, p) == status::success);
-      CHECK(p.splits == sms / 4);
+      CHECK(p.splits == (cc >= 9 ? splits_sm90 : splits_sm80)[i]);
       // 4 heads x up to 8 splits x (128 outputs + an LSE) = 16.5 KB fit the
       // 96 KB ring past the warps' 17 KB.
-      const bool expect = cc >= 9 && p.splits >= 2 && p.splits <= 8;
+      const bool expect = cc >= 9 && p.splits >= 2;
       CHECK(p.cluster_merge == expect);
       CHECK(p.merge_offset == (expect ? offset : 0));
       CHECK(p.smem_bytes == 3 * 32 * 1024);  // no shared memory of their own
@@ -155,6 +162,11 @@ TEST_CASE("decode attention merges in a cluster where the partials fit its ring"
       // The workspace holds the partials either way (an sm_80 build on an
       // sm_90 part merges through it).
       if (p.splits > 1) CHECK(p.workspace_bytes > p.counter_bytes);
+      // The dense baseline never clusters (its grid fills the wave).
+      attention::decode_attention_plan d;
+      REQUIRE(attention::plan_decode_attention(dense_args(1, 4096), gpu, d) == status::success);
+      CHECK_FALSE(d.cluster_merge);
+      CHECK(d.splits == std::max(1, sms[i] / 4));
     }
   }
   // One 32 KB stage (40 KB per CTA): the 15 KB past the warps' merge hold
@@ -162,12 +174,12 @@ TEST_CASE("decode attention merges in a cluster where the partials fit its ring"
   gpu.cc_major = 9;
   gpu.smem_per_block = 40 * 1024;
   gpu.smem_per_sm = 100 * 1024;
-  for (const int sms : {12, 16}) {  // two CTAs per SM: 3 and 4 splits
-    gpu.sms = sms;
+  for (const int n : {12, 16}) {  // two CTAs per SM: 3 and 4 splits
+    gpu.sms = n;
     attention::decode_attention_plan p;
     REQUIRE(attention::plan_decode_attention(a, gpu, p) == status::success);
     CHECK(p.stages == 1);
-    CHECK(p.splits == sms / 4);
+    CHECK(p.splits == n / 4);
     CHECK(p.cluster_merge);
   }
   gpu.sms = 32;
@@ -208,16 +220,29 @@ TEST_CASE("decode attention sizes its shared-memory ring to the GPU", "[attentio
   CHECK(attention::decode_attention_async<bf16, two_stages>(deep, dense_args(8, 4096), workspace) ==
         status::invalid_argument);
   // A plan edited by hand past what the kernel can hold is refused.
-  REQUIRE(deep.cluster_merge);  // 2 splits
-  for (int field = 0; field < 6; ++field) {
+  for (int field = 0; field < 3; ++field) {
     auto edited = deep;
     if (field == 0) edited.stages = 4;
     if (field == 1) edited.splits = 65;
     if (field == 2) edited.smem_bytes = 32 * 1024;
-    if (field == 3) edited.splits = 9;                          // past the portable cluster size
-    if (field == 4) edited.merge_offset = 64;                   // over the warps' merge
-    if (field == 5) edited.smem_bytes = edited.merge_offset;  // no room for the partials
     CHECK(attention::decode_attention_async(edited, dense_args(8, 4096), workspace) == status::invalid_argument);
+    CHECK_THAT(last_error(), Catch::Contains("inconsistent"));
+  }
+  // So is a cluster merge edited past the portable cluster size or onto the
+  // warps' merge (a sparse plan: 4 splits in a cluster).
+  auto sparse = dense_args(8, 4096);
+  sparse.top_k_fine = 16;
+  sparse.window = 512;
+  sparse.max_items = 25;
+  sparse.kept_slices = sparse.num_slices = fake_ints;
+  attention::decode_attention_plan clustered;
+  REQUIRE(attention::plan_decode_attention(sparse, 132, clustered) == status::success);
+  REQUIRE(clustered.cluster_merge);
+  for (int field = 0; field < 2; ++field) {
+    auto edited = clustered;
+    if (field == 0) edited.splits = 9;
+    if (field == 1) edited.merge_offset = 64;
+    CHECK(attention::decode_attention_async(edited, sparse, workspace) == status::invalid_argument);
     CHECK_THAT(last_error(), Catch::Contains("inconsistent"));
   }
   // Too little shared memory for one stage is unsupported, and says so.

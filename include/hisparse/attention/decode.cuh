@@ -7,12 +7,12 @@
 // A (sequence, KV head) attends up to `max_items` slices (sparse: the
 // window's, then the kept ones); `splits` CTAs share them round robin (CTA s
 // takes items s, s + splits, ...: flash-decoding), and their partial
-// results are merged by log-sum-exp: on sm_90 with at most 8 splits the
-// splits are one thread-block cluster, and CTA 0 merges the partials the
-// others write into its drained ring (two cluster barriers, no global
-// memory); otherwise the last CTA to finish merges them through the
-// workspace (a fence and a counter). Up to 8 query heads of the GQA group
-// share every K/V load.
+// results are merged by log-sum-exp: in a sparse run on sm_90 with at most
+// 8 splits the splits are one thread-block cluster, and CTA 0 merges the
+// partials the others write into its drained ring (two cluster barriers,
+// no global memory); otherwise the last CTA to finish merges them through
+// the workspace (a fence and a counter). Up to 8 query heads of the GQA
+// group share every K/V load.
 // Launched as a programmatic dependent of the selection
 // (hierarchical_decode::run, sm_90), the CTAs start while the selection
 // runs, attend their share of the window (which does not depend on it), and
@@ -115,7 +115,8 @@ struct decode_attention_plan {
   int smem_bytes = 0;        ///< dynamic shared memory per CTA
   /// The splits are one thread-block cluster and merge in CTA 0's shared
   /// memory, at byte `merge_offset` of its drained ring (past the warps'
-  /// merge): sm_90+, 2 to 8 splits, and the partials fit the ring.
+  /// merge): sparse runs on sm_90+, 2 to 8 splits, and the partials fit
+  /// the ring.
   /// Otherwise (or where the loaded build is older than sm_90) the merge
   /// goes through the workspace.
   bool cluster_merge = false;
@@ -849,7 +850,7 @@ template <tile_policy Tile = kDecodeTile, class T>
   // cluster took the step from 24.0 to 22.8 us against 25 (H200). A dense
   // run streams thousands of slices and keeps every CTA it can fill.
   const auto cluster_fits = [&](std::int64_t splits) {
-    return gpu.cc_major >= 9 && splits >= 2 && splits <= detail::kMaxClusterSplits &&
+    return a.sparse() && gpu.cc_major >= 9 && splits >= 2 && splits <= detail::kMaxClusterSplits &&
            detail::cluster_merge_offset(Tile.warps, a.cache.head_dim) +
                    detail::cluster_merge_bytes(plan.heads_per_cta, static_cast<int>(splits), a.cache.head_dim) <=
                plan.stages * stage;
@@ -858,11 +859,14 @@ template <tile_policy Tile = kDecodeTile, class T>
     splits_wanted = detail::kMaxClusterSplits;
   plan.slices_per_split = static_cast<int>(std::max<std::int64_t>(1, (a.max_items + splits_wanted - 1) / splits_wanted));
   plan.splits = (a.max_items + plan.slices_per_split - 1) / plan.slices_per_split;
-  // The splits merge as a cluster where the partials fit in the ring past
-  // the warps' merge (H200, B = 8, T = 256K: 3 splits of 4 heads, 6 KB
-  // past 18 KB of a 96 KB ring). Partials in shared memory of their own
-  // measured slower: 39.6 against 38.3 us per step at B = 8 (6 KB more per
-  // CTA: fewer attention CTAs start beside the selection's).
+  // A sparse run's splits merge as a cluster where the partials fit in the
+  // ring past the warps' merge (H200, B = 8, T = 256K: 3 splits of 4 heads,
+  // 6 KB past 18 KB of a 96 KB ring). Partials in shared memory of their
+  // own measured slower: 39.6 against 38.3 us per step at B = 8 (6 KB more
+  // per CTA: fewer attention CTAs start beside the selection's). A dense
+  // run does not cluster: its grid fills the wave, and clusters of 4 that
+  // must share a GPC did not all fit at once (B = 8, T = 256K: 3.24 ms
+  // against 1.95), for a merge that is a few microseconds of milliseconds.
   plan.cluster_merge = cluster_fits(plan.splits);
   plan.merge_offset = plan.cluster_merge ? detail::cluster_merge_offset(Tile.warps, a.cache.head_dim) : 0;
   if (std::int64_t{a.cache.kv_heads} * plan.head_splits > 65535 || a.batch > 65535)
