@@ -169,15 +169,15 @@ HISPARSE_HOST_DEVICE constexpr int stage_bytes(int rows, int head_dim, int elem_
 HISPARSE_HOST_DEVICE constexpr int warp_merge_bytes(int warps, int head_dim) {
   return warps * kMaxHeadsPerCta * (2 + head_dim + 8) * 4;
 }
-/// Bytes of a cluster merge's partials in CTA 0: per head and split the
-/// output row and the LSE ([heads][splits][head_dim], then [heads][splits]).
-HISPARSE_HOST_DEVICE constexpr int cluster_merge_bytes(int heads, int splits, int head_dim) {
-  return heads * splits * (head_dim + 1) * 4;
-}
-/// Where they start in CTA 0's ring: past the warps' merge, which runs
-/// while the other CTAs write them.
+/// Where a cluster merge's partials start in CTA 0's ring: past the warps'
+/// merge, which runs while the other CTAs write them.
 HISPARSE_HOST_DEVICE constexpr int cluster_merge_offset(int warps, int head_dim) {
   return (warp_merge_bytes(warps, head_dim) + 15) / 16 * 16;
+}
+/// Where they end: per head and split the output row and the LSE
+/// ([heads][splits][head_dim], then [heads][splits]).
+HISPARSE_HOST_DEVICE constexpr int cluster_merge_end(int warps, int heads, int splits, int head_dim) {
+  return cluster_merge_offset(warps, head_dim) + heads * splits * (head_dim + 1) * 4;
 }
 
 template <class T>
@@ -713,11 +713,12 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
   if (counter != nullptr && threadIdx.x == 0) *counter = 0;
 }
 
-/// Whether this device runs a build of the kernel compiled for sm_90+ (and
-/// so honours griddepcontrol.wait). A programmatic launch of a build without
-/// it would read the selection before it is written.
+/// Whether this device runs a build of the kernel compiled for sm_90+: one
+/// that honours griddepcontrol.wait (a programmatic launch of an older
+/// build would read the selection before it is written) and has the cluster
+/// merge.
 template <class T, int D, tile_policy Tile>
-bool programmatic_launch_available() {
+bool runs_sm90_build() {
   static hisparse::detail::per_device_flag built;
   return built.get([] {
     void (*kernel)(decode_attention_params<T>) = &decode_attention_kernel<T, D, Tile.warps, Tile.stages>;
@@ -758,7 +759,7 @@ status launch_decode_attention(decode_attention_params<T> p, int smem_bytes, boo
   // Programmatic edges in captured graphs came with CUDA 12.3: older
   // toolkits launch in plain stream order.
   constexpr bool kToolkitOverlaps = CUDART_VERSION >= 12030;
-  const bool sm90 = programmatic_launch_available<T, D, Tile>();  // the loaded build is sm_90+
+  const bool sm90 = runs_sm90_build<T, D, Tile>();
   if (kToolkitOverlaps && overlap_previous && p.a.sparse() && sm90) {
     attribute[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attribute[n].val.programmaticStreamSerializationAllowed = 1;
@@ -851,8 +852,7 @@ template <tile_policy Tile = kDecodeTile, class T>
   // run streams thousands of slices and keeps every CTA it can fill.
   const auto cluster_fits = [&](std::int64_t splits) {
     return a.sparse() && gpu.cc_major >= 9 && splits >= 2 && splits <= detail::kMaxClusterSplits &&
-           detail::cluster_merge_offset(Tile.warps, a.cache.head_dim) +
-                   detail::cluster_merge_bytes(plan.heads_per_cta, static_cast<int>(splits), a.cache.head_dim) <=
+           detail::cluster_merge_end(Tile.warps, plan.heads_per_cta, static_cast<int>(splits), a.cache.head_dim) <=
                plan.stages * stage;
   };
   if (a.sparse() && splits_wanted > detail::kMaxClusterSplits && cluster_fits(detail::kMaxClusterSplits))
@@ -938,14 +938,14 @@ template <class T, tile_policy Tile = kDecodeTile>
                 "decode attention: 1, 2, 4 or 8 warps");
   if (plan.splits < 1 || plan.tile != Tile)
     return fail(status::invalid_argument, "decode attention: the plan is empty or was made for another tile policy");
-  // The kernel trusts these three; a plan edited by hand must not break them.
+  // The kernel trusts the ring, the split count and the cluster merge's
+  // layout; a plan edited by hand must not break them.
   const int ring_bytes =
       std::max(plan.stages * detail::stage_bytes(Tile.block_kv, a.cache.head_dim, static_cast<int>(sizeof(T))),
                detail::warp_merge_bytes(Tile.warps, a.cache.head_dim));
   const int merge_end =
-      detail::cluster_merge_offset(Tile.warps, a.cache.head_dim) +
-      detail::cluster_merge_bytes(std::min(a.num_q_heads / a.cache.kv_heads, detail::kMaxHeadsPerCta), plan.splits,
-                                  a.cache.head_dim);
+      detail::cluster_merge_end(Tile.warps, std::min(a.num_q_heads / a.cache.kv_heads, detail::kMaxHeadsPerCta),
+                                plan.splits, a.cache.head_dim);
   if (plan.stages < 1 || plan.stages > Tile.stages || plan.splits > detail::kMaxSplits || plan.smem_bytes < ring_bytes ||
       (plan.cluster_merge &&
        (plan.splits < 2 || plan.splits > detail::kMaxClusterSplits ||
