@@ -145,6 +145,23 @@ __device__ __forceinline__ void extract_top(topk_key head, const topk_key* next,
 /// Monotone map of non-NaN floats to int32 (an involution: it also maps
 /// back); -0 sits just below +0.
 __device__ __forceinline__ int ordered_int(int bits) { return bits ^ ((bits >> 31) & 0x7FFFFFFF); }
+
+/// A lower bound of the c-th largest of the warp's 32 values v (c >= 1)
+/// that at least c lanes' v reach: the c-th largest after each v is floored
+/// to a multiple of 32. The lane number rides in the five bits the floor
+/// clears, so the values are distinct and each of the c - 1 rounds drops the
+/// one lane holding the maximum by a compare with the redux (a redux, a
+/// compare and a select; finding the owner among tied lanes by ballot took
+/// eight). Every lane calls it and gets the answer.
+__device__ __forceinline__ int warp_cth_largest_floor(int v, int c, int lane) {
+  int o = (v & ~31) | lane;
+#pragma unroll 4  // straight-line rounds (predicated or with early exits) spilled block_topk at 40 registers
+  for (int r = 1; r < c; ++r) {
+    const int top = __reduce_max_sync(kFullMask, o);
+    o = o == top ? INT_MIN : o;  // INT_MIN only ever ties INT_MIN: the answer is then INT_MIN either way
+  }
+  return __reduce_max_sync(kFullMask, o) & ~31;
+}
 }  // namespace detail
 
 /// Warp-wide top-k of E keys per lane (E a power of two), k <= 32.
@@ -468,15 +485,13 @@ class block_topk {
 #pragma unroll
     for (int j = 0; j < E; ++j) m = keys[j] > m ? keys[j] : m;
     if (t == 0) storage_.fill = 0;
-    // This warp's c-th largest lane-maximum score (with multiplicity: the
-    // smallest of those with fewer than c strictly above), on the 32-bit
-    // score words: c keys of the warp reach it.
+    // A score word at least c of this warp's lane maxima reach (so c of its
+    // keys): as filter_scores, on the words moved to signed order.
     const int c = (k + kWarps - 1) / kWarps;
-    const std::uint32_t mh = detail::hi_word(m);
-    int above = 0;
-#pragma unroll 8
-    for (int u = 0; u < 32; ++u) above += __shfl_sync(kFullMask, mh, u) > mh ? 1 : 0;
-    const std::uint32_t w = __reduce_min_sync(kFullMask, above < c ? mh : 0xFFFFFFFFu);
+    constexpr std::uint32_t kSign = 0x80000000u;
+    const auto w = static_cast<std::uint32_t>(
+                       detail::warp_cth_largest_floor(static_cast<int>(detail::hi_word(m) ^ kSign), c, t & 31)) ^
+                   kSign;
     if ((t & 31) == 0) storage_.warp_min[t / 32] = w;
     __syncthreads();
     std::uint32_t floor_hi = 0xFFFFFFFFu;
@@ -521,16 +536,14 @@ class block_topk {
     float m = x[0];
 #pragma unroll
     for (int j = 1; j < E; ++j) m = fmaxf(m, x[j]);  // ignores NaN; NaN only when the lane has no number
-    // This warp's c-th largest lane maximum: c - 1 rounds each drop one lane
-    // holding the largest (a lane with no number counts as the lowest).
-    int o = isnan(m) ? INT_MIN : detail::ordered_int(__float_as_int(m));
+    // A score at least c of this warp's lane maxima reach (c of its entries,
+    // then): their c-th largest, on the ordered ints, floored to a multiple
+    // of 32 (a lane with no number counts as the lowest). The floor admits a
+    // survivor more only where a score lies within 31 ulps below it; where
+    // it takes -inf to a NaN word, nothing passes and the radix path ranks
+    // the row.
     const int c = (k + kWarps - 1) / kWarps;
-    for (int r = 1; r < c; ++r) {
-      const int top = __reduce_max_sync(kFullMask, o);
-      const unsigned owners = __ballot_sync(kFullMask, o == top);
-      if (lane == __ffs(owners) - 1) o = INT_MIN;
-    }
-    o = __reduce_max_sync(kFullMask, o);
+    const int o = detail::warp_cth_largest_floor(isnan(m) ? INT_MIN : detail::ordered_int(__float_as_int(m)), c, lane);
     if (t == 0) storage_.fill = 0;
     if (lane == 0) storage_.warp_min[t / 32] = static_cast<std::uint32_t>(o);
     __syncthreads();
@@ -622,6 +635,7 @@ namespace detail {
 inline constexpr int kTopkThreads = 256;
 inline constexpr int kMaxKeysPerThread = 16;
 inline constexpr int kChunkKeys = kTopkThreads * kMaxKeysPerThread;  ///< keys one block holds in registers
+inline constexpr int kMaxGridY = 65535;
 
 __device__ __forceinline__ int row_length(const std::int32_t* lengths, int row, int n) {
   return lengths == nullptr ? n : max(0, min(lengths[row], n));
