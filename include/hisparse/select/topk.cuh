@@ -219,10 +219,44 @@ class warp_topk {
 
 namespace detail {
 
+/// One merge level of warp_bitonic_sort: with the keys in runs of size / 2
+/// sorted in alternating directions, sorts runs of `size` (descending where
+/// (element & size) == 0; the whole warp's 32 KPL keys descending when size
+/// is 32 KPL). Lane l holds elements e = KPL l + j, so strides below KPL
+/// stay within a lane and the rest take one 64-bit shuffle per key.
+template <int KPL>
+__device__ __forceinline__ void warp_bitonic_merge(topk_key (&v)[KPL], int size, int lane) {
+#pragma unroll
+  for (int stride = 16 * KPL; stride > 0; stride >>= 1) {
+    if (stride >= size) continue;  // resolved at compile time: size is a constant after unrolling
+    if (stride < KPL) {  // both keys in this lane
+#pragma unroll
+      for (int j = 0; j < KPL; ++j) {
+        const int jp = j ^ stride;
+        if (jp > j) {
+          const bool desc = ((lane * KPL + j) & size) == 0;
+          const topk_key a = v[j], b = v[jp];
+          const bool swap = desc ? a < b : b < a;
+          v[j] = swap ? b : a;
+          v[jp] = swap ? a : b;
+        }
+      }
+    } else {  // the partner is lane ^ (stride / KPL), same j
+      const int lmask = stride / KPL;
+      const bool lower = (lane & lmask) == 0;
+      const bool desc = ((lane * KPL) & size) == 0;  // size > stride >= KPL: j does not matter
+#pragma unroll
+      for (int j = 0; j < KPL; ++j) {
+        const topk_key other = __shfl_xor_sync(kFullMask, v[j], lmask);
+        v[j] = ((other > v[j]) == (lower == desc)) ? other : v[j];
+      }
+    }
+  }
+}
+
 /// Sorts 32 KPL keys across a warp, descending, by a bitonic network in
-/// registers: lane l holds elements e = KPL l + j, so strides below KPL
-/// stay within a lane and the rest take one 64-bit shuffle per key. 28 steps
-/// for 128 keys (KPL = 4), 21 for 64, 15 for 32. Every lane calls it.
+/// registers (warp_bitonic_merge at sizes 2 .. 32 KPL): 28 steps for 128
+/// keys (KPL = 4), 21 for 64, 15 for 32. Every lane calls it.
 template <int KPL>
 __device__ __forceinline__ void warp_bitonic_sort(topk_key (&v)[KPL]) {
   // The lane as a value the compiler cannot treat as loop-invariant: inside
@@ -231,33 +265,7 @@ __device__ __forceinline__ void warp_bitonic_sort(topk_key (&v)[KPL]) {
   int lane = static_cast<int>(threadIdx.x) & 31;
   asm volatile("" : "+r"(lane));
 #pragma unroll
-  for (int size = 2; size <= 32 * KPL; size <<= 1) {
-#pragma unroll
-    for (int stride = size / 2; stride > 0; stride >>= 1) {
-      if (stride < KPL) {  // both keys in this lane
-#pragma unroll
-        for (int j = 0; j < KPL; ++j) {
-          const int jp = j ^ stride;
-          if (jp > j) {
-            const bool desc = ((lane * KPL + j) & size) == 0;
-            const topk_key a = v[j], b = v[jp];
-            const bool swap = desc ? a < b : b < a;
-            v[j] = swap ? b : a;
-            v[jp] = swap ? a : b;
-          }
-        }
-      } else {  // the partner is lane ^ (stride / KPL), same j
-        const int lmask = stride / KPL;
-        const bool lower = (lane & lmask) == 0;
-        const bool desc = ((lane * KPL) & size) == 0;  // size > stride >= KPL: j does not matter
-#pragma unroll
-        for (int j = 0; j < KPL; ++j) {
-          const topk_key other = __shfl_xor_sync(kFullMask, v[j], lmask);
-          v[j] = ((other > v[j]) == (lower == desc)) ? other : v[j];
-        }
-      }
-    }
-  }
+  for (int size = 2; size <= 32 * KPL; size <<= 1) warp_bitonic_merge(v, size, lane);
 }
 
 /// Keys warp_top_k sorts in one pass at most: 4 a lane (block_topk's
@@ -315,6 +323,52 @@ __device__ __forceinline__ void warp_top_k(const uint2* pairs, int n, int k, top
     warp_top_k_passes<kWarpSortKeys / 32>(pairs, n, k, out);
 }
 
+/// The k largest (k <= 64) of 64 < n <= 128 (score bits, index) pairs,
+/// descending, to out[0, k), on two warps: each sorts 64 of them (21 steps
+/// of two keys a lane, where one warp sorting all 128 takes 28 steps of
+/// four), warp 1 parks its run in `scratch` (64 keys), and after a block
+/// barrier warp 0 keeps the larger of A_e and B_(63 - e) -- the 64 largest
+/// of both runs, as a bitonic sequence -- and merges it (6 steps). The sort
+/// is the block's critical path while its other warps wait at the barrier,
+/// so half the steps' work is what counts. Every thread of the block calls
+/// it (two barriers).
+__device__ __forceinline__ void two_warp_top_k(const uint2* pairs, int n, int k, topk_key* out, topk_key* scratch) {
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  int lane = static_cast<int>(threadIdx.x) & 31;
+  asm volatile("" : "+r"(lane));
+  topk_key v[2];
+  if (warp < 2) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int e = 64 * warp + 2 * lane + j;
+      v[j] = kNoCandidate;
+      if (e < n) {
+        const uint2 pr = pairs[e];
+        v[j] = make_key(__uint_as_float(pr.x), static_cast<std::int32_t>(pr.y));
+      }
+    }
+#pragma unroll
+    for (int size = 2; size <= 64; size <<= 1) warp_bitonic_merge(v, size, lane);
+    if (warp == 1) {
+      scratch[2 * lane] = v[0];
+      scratch[2 * lane + 1] = v[1];
+    }
+  }
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const topk_key b = scratch[63 - 2 * lane - j];
+      v[j] = b > v[j] ? b : v[j];
+    }
+    warp_bitonic_merge(v, 64, lane);
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      if (2 * lane + j < k) out[2 * lane + j] = v[j];
+  }
+  __syncthreads();
+}
+
 }  // namespace detail
 
 /// Block-wide top-k of E keys per thread, k <= 2048. The caller provides
@@ -328,7 +382,8 @@ __device__ __forceinline__ void warp_top_k(const uint2* pairs, int n, int k, top
 /// largest are all at or above it; the survivors (~110 for k = 64 of 4096
 /// random keys) are ranked against each other in shared memory.
 /// `select_scores`, which starts from fp32 scores, filters with float
-/// compares, builds keys for the survivors alone and sorts them on one warp
+/// compares, builds keys for the survivors alone and sorts them: 65 to 128
+/// of them (k <= 64) on two warps (detail::two_warp_top_k), others on one
 /// (detail::warp_top_k, up to 2 * Threads of them). Too many survivors
 /// (ties, sorted or short rows), or too few (NaNs), take the radix select,
 /// whose rounds each count one bit of the k-th key across the block.
@@ -527,7 +582,8 @@ class block_topk {
   /// passes `>=`), so the check that at least k entries passed is what
   /// proves the k largest are among them. The survivors are placed by a warp
   /// scan of per-thread bit masks (one shared atomic per warp) as (score,
-  /// index) pairs, and one warp sorts them (detail::warp_top_k). False (and
+  /// index) pairs, and two warps or one sort them (detail::two_warp_top_k,
+  /// detail::warp_top_k). False (and
   /// nothing written) when fewer than k or more than kSortCap pass. (A bool,
   /// not the count: with a count the compiler cannot tell the sorted path
   /// from the radix one and keeps x alive through the sort, spilling it.)
@@ -590,8 +646,13 @@ class block_topk {
       __syncthreads();  // every thread has read fill before the radix path reuses it
       return false;
     }
-    if (t < 32) detail::warp_top_k(pairs, n, k, sorted);  // uniform per warp
-    __syncthreads();
+    constexpr int kHalf = detail::kWarpSortKeys / 2;  // two_warp_top_k's run; its scratch follows 128 pairs
+    if (kSurvivors >= detail::kWarpSortKeys + kHalf && k <= kHalf && n > kHalf && n <= detail::kWarpSortKeys) {
+      detail::two_warp_top_k(pairs, n, k, sorted, reinterpret_cast<topk_key*>(pairs) + detail::kWarpSortKeys);
+    } else {
+      if (t < 32) detail::warp_top_k(pairs, n, k, sorted);  // uniform per warp
+      __syncthreads();
+    }
     return true;
   }
 
@@ -720,9 +781,10 @@ enum class block_input { keys, scores_filtered, scores };
 // lift 32 registers to 40 (8 CTAs to 6) and cost 5%, so no bound there
 // (0 is "none", which 1 is not: ptxas schedules differently under it).
 template <int E, block_input In>
-__global__ void __launch_bounds__(kTopkThreads, In == block_input::scores_filtered && E == 16 ? 6 : 0) block_topk_kernel(
-    const float* scores, std::int64_t row_stride, const std::int32_t* lengths, int n, const topk_key* keys_in,
-    int keys_per_row, int chunks, int k, topk_key* keys_out, float* out_values, std::int32_t* out_indices) {
+__global__ void __launch_bounds__(kTopkThreads, In == block_input::scores_filtered && E == 16 ? 6 : 0)
+    block_topk_kernel(const float* scores, std::int64_t row_stride, const std::int32_t* lengths, int n,
+                      const topk_key* keys_in, int keys_per_row, int chunks, int k, topk_key* keys_out,
+                      float* out_values, std::int32_t* out_indices) {
   using block = block_topk<kTopkThreads, E>;
   __shared__ typename block::TempStorage storage;
   extern __shared__ __align__(16) topk_key sorted[];  // 16: the survivor ranking reads two keys a load
