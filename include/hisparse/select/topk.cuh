@@ -10,7 +10,8 @@
 // - a block from fp32 scores (k <= Threads / 4): a threshold from the lanes'
 //   maxima that at least k scores reach, float compares against it, the
 //   survivors (~110 of 4096 for k = 64) placed by a warp scan and sorted by
-//   one warp (a bitonic network in registers, 128 keys a pass).
+//   a bitonic network in registers: two warps of 64 keys and a merge for 65
+//   to 128 survivors, else one warp, 128 keys a pass.
 // - otherwise, and where the filter leaves too many or too few survivors
 //   (ties, sorted rows, NaNs): radix select with 1-bit digits. 32 rounds
 //   over the high word (the score) find the k-th largest score, and only
@@ -152,7 +153,8 @@ __device__ __forceinline__ int ordered_int(int bits) { return bits ^ ((bits >> 3
 /// clears, so the values are distinct and each of the c - 1 rounds drops the
 /// one lane holding the maximum by a compare with the redux (a redux, a
 /// compare and a select; finding the owner among tied lanes by ballot took
-/// eight). Every lane calls it and gets the answer.
+/// eight). c <= 32 (larger c only ever returns INT_MIN, a bound every lane
+/// reaches). Every lane calls it and gets the answer.
 __device__ __forceinline__ int warp_cth_largest_floor(int v, int c, int lane) {
   int o = (v & ~31) | lane;
 #pragma unroll 4  // straight-line rounds (predicated or with early exits) spilled block_topk at 40 registers
@@ -377,10 +379,11 @@ __device__ __forceinline__ void two_warp_top_k(const uint2* pairs, int n, int k,
 /// candidates).
 ///
 /// For k <= Threads / 4, first a threshold filter: each warp takes the c-th
-/// largest score of its lanes' maxima (c = ceil(k / warps)), and the
-/// smallest of those is a score at least k keys reach (c per warp), so the k
-/// largest are all at or above it; the survivors (~110 for k = 64 of 4096
-/// random keys) are ranked against each other in shared memory.
+/// largest score of its lanes' maxima (c = ceil(k / warps)), floored to 32
+/// ordered steps (warp_cth_largest_floor), and the smallest of those is a
+/// score at least k keys reach (c per warp), so the k largest are all at or
+/// above it; the survivors (~110 for k = 64 of 4096 random keys) are ranked
+/// against each other in shared memory.
 /// `select_scores`, which starts from fp32 scores, filters with float
 /// compares, builds keys for the survivors alone and sorts them: 65 to 128
 /// of them (k <= 64) on two warps (detail::two_warp_top_k), others on one
@@ -696,7 +699,6 @@ namespace detail {
 inline constexpr int kTopkThreads = 256;
 inline constexpr int kMaxKeysPerThread = 16;
 inline constexpr int kChunkKeys = kTopkThreads * kMaxKeysPerThread;  ///< keys one block holds in registers
-inline constexpr int kMaxGridY = 65535;
 
 __device__ __forceinline__ int row_length(const std::int32_t* lengths, int row, int n) {
   return lengths == nullptr ? n : max(0, min(lengths[row], n));
