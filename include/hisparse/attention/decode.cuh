@@ -946,7 +946,8 @@ template <class T, tile_policy Tile = kDecodeTile>
   const int merge_end =
       detail::cluster_merge_end(Tile.warps, std::min(a.num_q_heads / a.cache.kv_heads, detail::kMaxHeadsPerCta),
                                 plan.splits, a.cache.head_dim);
-  if (plan.stages < 1 || plan.stages > Tile.stages || plan.splits > detail::kMaxSplits || plan.smem_bytes < ring_bytes ||
+  if (plan.stages < 1 || plan.stages > Tile.stages || plan.splits > detail::kMaxSplits ||
+      plan.smem_bytes < ring_bytes ||
       (plan.cluster_merge &&
        (plan.splits < 2 || plan.splits > detail::kMaxClusterSplits ||
         plan.merge_offset != detail::cluster_merge_offset(Tile.warps, a.cache.head_dim) ||

@@ -496,7 +496,8 @@ __device__ int filter_stage(int count, int k, bool two_pass, int valid, int stag
 
 /// Grid: x = KV head, y = tile (across all segments).
 template <class Q, int D, bool Wide, bool TensorCores>
-__global__ void __launch_bounds__(kSelectThreads, TensorCores ? 3 : 1) prefill_selection_kernel(const __grid_constant__ prefill_params<Q> p) {
+__global__ void __launch_bounds__(kSelectThreads, TensorCores ? 3 : 1)
+    prefill_selection_kernel(const __grid_constant__ prefill_params<Q> p) {
   __shared__ selection_temp<Wide> temp;
   __shared__ prefill_shared sh;
   extern __shared__ __align__(16) unsigned char smem[];

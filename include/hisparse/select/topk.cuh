@@ -349,8 +349,7 @@ __device__ __forceinline__ void two_warp_top_k(const uint2* pairs, int n, int k,
         v[j] = make_key(__uint_as_float(pr.x), static_cast<std::int32_t>(pr.y));
       }
     }
-#pragma unroll
-    for (int size = 2; size <= 64; size <<= 1) warp_bitonic_merge(v, size, lane);
+    warp_bitonic_sort(v);
     if (warp == 1) {
       scratch[2 * lane] = v[0];
       scratch[2 * lane + 1] = v[1];
@@ -720,7 +719,7 @@ __device__ __forceinline__ void write_result(topk_key key, const float* scores, 
   else if (w == 0u || w == 0x80000000u)
     value = scores[std::int64_t{row} * row_stride + idx];
   else
-    value = __uint_as_float((w & 0x80000000u) ? (w & 0x7FFFFFFFu) : ~w);
+    value = from_ordered_bits(w);
   out_values[out] = value;
 }
 
