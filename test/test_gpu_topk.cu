@@ -414,3 +414,83 @@ TEST_CASE("batched_topk replays from a CUDA graph with new scores and lengths", 
   }
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
+
+namespace {
+
+constexpr int kPrimThreads = 256, kPrimE = 16, kPrimSpan = kPrimThreads * kPrimE;
+using prim_block = select::block_topk<kPrimThreads, kPrimE>;
+
+/// One block per row of kPrimSpan scores: block_topk::select_scores with x[]
+/// laid out as entry_offset<Vec>, every entry of the chunk loaded (those at
+/// or past len[row] too, which the primitive must ignore), its keys out.
+template <int Vec>
+__global__ void select_scores_kernel(const float* scores, const int* lens, int k, select::topk_key* out, int* found) {
+  __shared__ prim_block::TempStorage storage;
+  extern __shared__ __align__(16) select::topk_key sorted[];
+  const float* row = scores + static_cast<std::int64_t>(blockIdx.x) * kPrimSpan;
+  const int base = Vec * static_cast<int>(threadIdx.x);
+  float x[kPrimE];
+  for (int j = 0; j < kPrimE; ++j) x[j] = row[base + prim_block::entry_offset<Vec>(j)];
+  const int got = prim_block(storage).select_scores<Vec>(x, 0, lens[blockIdx.x], k, sorted);
+  for (int i = static_cast<int>(threadIdx.x); i < k; i += kPrimThreads)
+    out[static_cast<std::int64_t>(blockIdx.x) * k + i] = sorted[i];
+  if (threadIdx.x == 0) found[blockIdx.x] = got;
+}
+
+}  // namespace
+
+TEST_CASE("block_topk::select_scores ranks only the entries below len, in either layout", "[gpu][topk]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  workload::splitmix64 rng(seed);
+  // Lengths through a full chunk, a part of one, a few entries, none; entries
+  // past a row's length hold 1e30, which wins if the primitive ever reads
+  // one. Rows of one value send the filter to the radix path.
+  const std::vector<int> lens{kPrimSpan, kPrimSpan - 1, 4000, 1025, 1000, 300, 64, 33, 5, 0, kPrimSpan, 2500};
+  const int rows = static_cast<int>(lens.size());
+  problem p(rows, kPrimSpan, kPrimSpan);
+  for (int r = 0; r < rows; ++r)
+    for (int i = 0; i < kPrimSpan; ++i)
+      p.at(r, i) = i >= lens[static_cast<std::size_t>(r)] ? 1e30f : r % 4 == 3 ? 0.5f : static_cast<float>(rng.normal());
+  p.lengths.assign(lens.begin(), lens.end());
+  const auto order = oracle_order(p);
+  device_buffer<float> scores(p.scores);
+  device_buffer<int> lengths(lens);
+  for (const int vec : {1, 4}) {
+    for (const int k : {1, 33, 64, 256}) {
+      INFO("layout runs of " << vec << ", k " << k);
+      device_buffer<select::topk_key> out(static_cast<std::size_t>(rows) * k);
+      device_buffer<int> found(static_cast<std::size_t>(rows));
+      const std::size_t shared = sizeof(select::topk_key) * prim_block::scores_capacity(k);
+      if (vec == 1) {
+        HISPARSE_CUDA_CHECK(cudaFuncSetAttribute(select_scores_kernel<1>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024));
+        select_scores_kernel<1><<<rows, kPrimThreads, shared>>>(scores.ptr, lengths.ptr, k, out.ptr, found.ptr);
+      } else {
+        HISPARSE_CUDA_CHECK(cudaFuncSetAttribute(select_scores_kernel<4>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024));
+        select_scores_kernel<4><<<rows, kPrimThreads, shared>>>(scores.ptr, lengths.ptr, k, out.ptr, found.ptr);
+      }
+      HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto keys = out.download();
+      const auto counts = found.download();
+      for (int r = 0; r < rows; ++r) {
+        INFO("row " << r << ", len " << lens[static_cast<std::size_t>(r)]);
+        const auto& o = order[static_cast<std::size_t>(r)];
+        const int want = std::min<int>(k, static_cast<int>(o.size()));
+        REQUIRE(counts[static_cast<std::size_t>(r)] == want);
+        for (int s = 0; s < k; ++s) {
+          const select::topk_key key = keys[static_cast<std::size_t>(r) * k + s];
+          if (s < want) {
+            REQUIRE(select::key_index(key) == o[static_cast<std::size_t>(s)]);
+            REQUIRE(same_bits(select::from_ordered_bits(static_cast<std::uint32_t>(key >> 32)),
+                              p.at(r, o[static_cast<std::size_t>(s)])));
+          } else {
+            REQUIRE(key == select::kNoCandidate);
+          }
+        }
+      }
+    }
+  }
+}

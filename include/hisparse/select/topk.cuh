@@ -437,14 +437,27 @@ class block_topk {
     return sort_capacity(k) + (Threads * E + 1) / 2;
   }
 
+  /// Where select_scores' x[j] lies in the row, from the chunk's first
+  /// entry: Vec = 1, entry first + j * Threads + threadIdx.x (a block's
+  /// loads of one j are consecutive words); Vec = 4, runs of four (one
+  /// 16-byte load a run), entry first + (j / 4) * 4 Threads + 4 threadIdx.x
+  /// + j % 4. This thread's offset of x[j] from its first entry:
+  template <int Vec>
+  HISPARSE_HOST_DEVICE static constexpr int entry_offset(int j) {
+    return (j / Vec) * (Threads * Vec) + j % Vec;
+  }
+
   /// The same from fp32 scores, with `sorted` of scores_capacity(k) keys:
-  /// this thread's x[j] is entry first + j * Threads + threadIdx.x of the
-  /// row, a candidate below `len`. Past `len`, x[j] is never a candidate, but
-  /// NaN there keeps the filter fast (anything larger can raise its threshold
-  /// past the k-th score and send the row to the radix path).
+  /// this thread's x[j] is entry first + Vec * threadIdx.x +
+  /// entry_offset<Vec>(j) of the row, a candidate below `len`. Past `len`,
+  /// x[j] is never a candidate, but NaN there keeps the filter fast
+  /// (anything larger can raise its threshold past the k-th score and send
+  /// the row to the radix path).
+  template <int Vec = 1>
   __device__ int select_scores(const float (&x)[E], int first, int len, int k, topk_key* sorted) {
+    static_assert(Vec == 1 || (Vec == 4 && E % 4 == 0), "select_scores reads single entries or runs of four");
     if (k <= kFilterK) {  // uniform
-      if (filter_scores(x, first, len, k, sorted)) return k;
+      if (filter_scores<Vec>(x, first, len, k, sorted)) return k;
     }
     // The radix path reads each key back from shared memory: the score word
     // this thread parked there (only it reads its words, and every pass
@@ -453,7 +466,7 @@ class block_topk {
     auto* words = reinterpret_cast<std::uint32_t*>(sorted + sort_capacity(k)) + threadIdx.x;
 #pragma unroll
     for (int j = 0; j < E; ++j) words[j * Threads] = ordered_bits(x[j]);
-    return select_radix(shared_words{words, first + static_cast<int>(threadIdx.x), len}, k, sorted);
+    return select_radix(shared_words<Vec>{words, first + Vec * static_cast<int>(threadIdx.x), len}, k, sorted);
   }
 
  private:
@@ -463,12 +476,13 @@ class block_topk {
     const topk_key (&keys)[E];
     __device__ topk_key operator()(int j) const { return keys[j]; }
   };
+  template <int Vec>
   struct shared_words {  // one loop iteration per key: no per-key registers
     static constexpr bool kUnrolled = false;
     const std::uint32_t* words;  ///< this thread's first word; the next Threads apart
-    int base, len;
+    int base, len;               ///< base: the entry of x[0]
     __device__ topk_key operator()(int j) const {
-      const int i = base + j * Threads;
+      const int i = base + entry_offset<Vec>(j);
       return i < len ? (static_cast<topk_key>(words[j * Threads]) << 32) | (0xFFFFFFFFu - static_cast<std::uint32_t>(i))
                      : kNoCandidate;
     }
@@ -589,6 +603,7 @@ class block_topk {
   /// nothing written) when fewer than k or more than kSortCap pass. (A bool,
   /// not the count: with a count the compiler cannot tell the sorted path
   /// from the radix one and keeps x alive through the sort, spilling it.)
+  template <int Vec>
   __device__ bool filter_scores(const float (&x)[E], int first, int len, int k, topk_key* sorted) {
     const int t = static_cast<int>(threadIdx.x), lane = t & 31;
     float m = x[0];
@@ -610,12 +625,19 @@ class block_topk {
         __reduce_min_sync(kFullMask, lane < kWarps ? static_cast<int>(storage_.warp_min[lane]) : INT_MAX);
     const float threshold = __int_as_float(detail::ordered_int(lowest));  // INT_MIN -> NaN: none pass
     // This thread's survivors as bits j (entries at or past len never count).
-    const int rest = len - first - t;  // this thread's entries below len: ceil(rest / Threads)
-    const int valid = rest <= 0 ? 0 : min(E, (rest + Threads - 1) / Threads);
+    const int rest = len - first - Vec * t;  // entries from this thread's first one to len
     unsigned mask = 0;
 #pragma unroll
     for (int j = 0; j < E; ++j) mask |= (x[j] >= threshold ? 1u : 0u) << j;
-    mask &= (1u << valid) - 1u;  // valid <= E <= 16
+    if constexpr (Vec == 1) {
+      const int valid = rest <= 0 ? 0 : min(E, (rest + Threads - 1) / Threads);  // ceil(rest / Threads)
+      mask &= (1u << valid) - 1u;                                               // valid <= E <= 16
+    } else if (len - first < Threads * E) {  // uniform: a partial chunk
+      unsigned below = 0;
+#pragma unroll
+      for (int j = 0; j < E; ++j) below |= (entry_offset<Vec>(j) < rest ? 1u : 0u) << j;
+      mask &= below;
+    }
     const int mine = __popc(mask);
     int before = mine;  // inclusive scan over the warp's lanes
 #pragma unroll
@@ -633,11 +655,12 @@ class block_topk {
       // One shared address, advanced per survivor: three instructions a
       // slot (test, store, add), not the pointer rebuilt for every store.
       unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(pairs + base + (before - mine)));
-      const unsigned index = static_cast<unsigned>(first + t);
+      const unsigned index = static_cast<unsigned>(first + Vec * t);
 #pragma unroll
       for (int j = 0; j < E; ++j)
         if (mask & (1u << j)) {
-          asm("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(at), "r"(__float_as_uint(x[j])), "r"(index + j * Threads)
+          asm("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(at), "r"(__float_as_uint(x[j])),
+              "r"(index + entry_offset<Vec>(j))
               : "memory");
           at += sizeof(uint2);
         }
@@ -739,6 +762,24 @@ __device__ __forceinline__ void load_strided(float (&x)[E], const float* row, in
     if (first + j * Stride < len) x[j] = __ldcs(p + j * Stride);
 }
 
+/// Loads x[4g + q] = row[first + 4 Threads g + q] (q < 4) as E / 4 16-byte
+/// loads, all issued before any is used: `row + first` 16-byte aligned, every
+/// entry below the row's length.
+template <int E, int Threads>
+__device__ __forceinline__ void load_runs4(float (&x)[E], const float* row, int first) {
+  static_assert(E % 4 == 0, "load_runs4 loads runs of four");
+  const float4* p = reinterpret_cast<const float4*>(row + first);
+  asm("" : "+l"(p));  // as load_strided: one pointer, constant offsets
+#pragma unroll
+  for (int g = 0; g < E / 4; ++g) {
+    const float4 v = __ldcs(p + g * Threads);
+    x[4 * g] = v.x;
+    x[4 * g + 1] = v.y;
+    x[4 * g + 2] = v.z;
+    x[4 * g + 3] = v.w;
+  }
+}
+
 /// One warp per row: rows of up to 32 * E scores, k <= 32.
 template <int E>
 __global__ void __launch_bounds__(kTopkThreads) warp_topk_kernel(const float* scores, std::int64_t row_stride,
@@ -752,16 +793,21 @@ __global__ void __launch_bounds__(kTopkThreads) warp_topk_kernel(const float* sc
   const int len = row_length(lengths, row, n);
   const float* in = scores + std::int64_t{row} * row_stride;
   float x[E];
-  load_strided<E, 32>(x, in, lane, len, 0.0f);
   topk_key keys[E];
-  if (len >= 32 * E) {  // uniform; full rows need no mask
+  // A full row at a 16-byte aligned address loads as runs of four: x[4g + q]
+  // is entry 4 lane + 128 g + q (a quarter of the load instructions).
+  bool runs = false;
+  if constexpr (E % 4 == 0) runs = len >= 32 * E && (reinterpret_cast<std::uintptr_t>(in) & 15u) == 0;
+  if (runs) {  // uniform per warp
+    if constexpr (E % 4 == 0) load_runs4<E, 32>(x, in, 4 * lane);
 #pragma unroll
-    for (int j = 0; j < E; ++j) keys[j] = make_key(x[j], j * 32 + lane);
+    for (int j = 0; j < E; ++j) keys[j] = make_key(x[j], 4 * lane + (j / 4) * 128 + j % 4);
   } else {
+    load_strided<E, 32>(x, in, lane, len, 0.0f);
 #pragma unroll
-    for (int j = 0; j < E; ++j) {
+    for (int j = 0; j < E; ++j) {  // full rows need no mask (uniform per warp)
       const int i = j * 32 + lane;
-      keys[j] = i < len ? make_key(x[j], i) : kNoCandidate;
+      keys[j] = len >= 32 * E || i < len ? make_key(x[j], i) : kNoCandidate;
     }
   }
   const topk_key key = warp_topk<E>(storage[warp]).select(keys, k, min(len, 32 * E));
@@ -773,6 +819,33 @@ __global__ void __launch_bounds__(kTopkThreads) warp_topk_kernel(const float* sc
 /// reading shared memory) or larger (the radix select on register keys).
 /// Separate instantiations, so neither path pays the other's registers.
 enum class block_input { keys, scores_filtered, scores };
+
+/// block_topk_kernel's ranking of one chunk of fp32 scores (from entry
+/// `first`) into `sorted`, x[] laid out as block_topk::entry_offset<Vec>:
+/// Vec = 4 for a full chunk at a 16-byte aligned address (a quarter of the
+/// load instructions, and no per-entry bound), else 1.
+template <int Vec, int E, block_input In>
+__device__ __forceinline__ void rank_score_chunk(typename block_topk<kTopkThreads, E>::TempStorage& storage,
+                                                 const float* row, int first, int len, int k, topk_key* sorted) {
+  using block = block_topk<kTopkThreads, E>;
+  const int t = static_cast<int>(threadIdx.x);
+  float x[E];
+  if constexpr (Vec == 4)
+    load_runs4<E, kTopkThreads>(x, row, first + 4 * t);
+  else  // NaN past len: it fails every >= of select_scores' filter
+    load_strided<E, kTopkThreads>(x, row, first + t, len, __int_as_float(0x7FFFFFFF));
+  if constexpr (In == block_input::scores_filtered) {
+    block(storage).template select_scores<Vec>(x, first, len, k, sorted);
+  } else {
+    topk_key keys[E];
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const int i = first + Vec * t + block::template entry_offset<Vec>(j);
+      keys[j] = i < len ? make_key(x[j], i) : kNoCandidate;
+    }
+    block(storage).select(keys, k, sorted);
+  }
+}
 
 /// One block per (row, chunk of 256 * E inputs). Inputs are scores (first
 /// pass) or keys from an earlier pass. With one chunk per row it writes the
@@ -789,25 +862,21 @@ __global__ void __launch_bounds__(kTopkThreads, In == block_input::scores_filter
   using block = block_topk<kTopkThreads, E>;
   __shared__ typename block::TempStorage storage;
   extern __shared__ __align__(16) topk_key sorted[];  // 16: the survivor ranking reads two keys a load
-  const int row = blockIdx.x / chunks, chunk = blockIdx.x % chunks;
+  // One row a block is the common case: no integer division there.
+  const int row = chunks == 1 ? static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x) / chunks;
+  const int chunk = static_cast<int>(blockIdx.x) - row * chunks;
   const int span = kTopkThreads * E;
   if constexpr (In != block_input::keys) {
     const int len = row_length(lengths, row, n);
     const float* in = scores + std::int64_t{row} * row_stride;
-    const int first = chunk * span + static_cast<int>(threadIdx.x);
-    float x[E];  // NaN past len: it fails every >= of select_scores' filter
-    load_strided<E, kTopkThreads>(x, in, first, len, __int_as_float(0x7FFFFFFF));
-    if constexpr (In == block_input::scores_filtered) {
-      block(storage).select_scores(x, chunk * span, len, k, sorted);
-    } else {
-      topk_key keys[E];
-#pragma unroll
-      for (int j = 0; j < E; ++j) {
-        const int i = first + j * kTopkThreads;
-        keys[j] = i < len ? make_key(x[j], i) : kNoCandidate;
+    bool ranked = false;
+    if constexpr (E % 4 == 0) {
+      if (chunk * span + span <= len && (reinterpret_cast<std::uintptr_t>(in) & 15u) == 0) {  // uniform
+        rank_score_chunk<4, E, In>(storage, in, chunk * span, len, k, sorted);
+        ranked = true;
       }
-      block(storage).select(keys, k, sorted);
     }
+    if (!ranked) rank_score_chunk<1, E, In>(storage, in, chunk * span, len, k, sorted);
   } else {
     const topk_key* in = keys_in + std::int64_t{row} * keys_per_row;
     topk_key keys[E];
@@ -818,11 +887,15 @@ __global__ void __launch_bounds__(kTopkThreads, In == block_input::scores_filter
     }
     block(storage).select(keys, k, sorted);
   }
+  // The block's index read again, not kept: held across the two ranking
+  // paths, ptxas spilled row and chunk at the 40 registers of 6 CTAs an SM.
+  unsigned block_index;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(block_index));
   if (chunks == 1) {
     for (int i = threadIdx.x; i < k; i += kTopkThreads)
-      write_result(sorted[i], scores, row_stride, row, i, k, out_values, out_indices);
+      write_result(sorted[i], scores, row_stride, static_cast<int>(block_index), i, k, out_values, out_indices);
   } else {
-    topk_key* out = keys_out + (std::int64_t{row} * chunks + chunk) * k;
+    topk_key* out = keys_out + std::int64_t{block_index} * k;  // (row * chunks + chunk) * k
     for (int i = threadIdx.x; i < k; i += kTopkThreads) out[i] = sorted[i];
   }
 }
