@@ -847,15 +847,27 @@ __device__ __forceinline__ void rank_score_chunk(typename block_topk<kTopkThread
   }
 }
 
+/// The CTAs an SM block_topk_kernel asks ptxas to fit (its register bound).
+/// The filtered kernel at E = 16 is held to 40 registers (6 CTAs an SM, not
+/// 5 at its natural 48): 3-4% faster on the H200 than 5. Where every chunk
+/// loads as runs of four (no strided loads to hold predicates and fills for)
+/// it fits 32 registers without spilling, and 8 CTAs an SM run 8192 x 4096
+/// 4-5% faster than 6; the strided loads spill 76 bytes there. At E <= 8 a
+/// bound would lift 32 registers to 40 (8 CTAs to 6) and cost 5%, so none
+/// (0 is "none", which 1 is not: ptxas schedules differently under it).
+template <int E, block_input In, bool Runs>
+constexpr int block_topk_min_blocks() {
+  return In == block_input::scores_filtered && E == 16 ? (Runs ? 8 : 6) : 0;
+}
+
 /// One block per (row, chunk of 256 * E inputs). Inputs are scores (first
 /// pass) or keys from an earlier pass. With one chunk per row it writes the
 /// final result; otherwise each chunk's k best keys go to `keys_out`.
-// The filtered kernel at E = 16 is held to 40 registers (6 CTAs an SM, not
-// 5 at its natural 48): 3-4% faster on the H200. At E <= 8 that bound would
-// lift 32 registers to 40 (8 CTAs to 6) and cost 5%, so no bound there
-// (0 is "none", which 1 is not: ptxas schedules differently under it).
-template <int E, block_input In>
-__global__ void __launch_bounds__(kTopkThreads, In == block_input::scores_filtered && E == 16 ? 6 : 0)
+/// Runs: the launch found every chunk full and 16-byte aligned (no row
+/// lengths, n a multiple of the chunk, row_stride of whole 16-byte units),
+/// so every chunk loads as runs of four; otherwise each chunk that can does.
+template <int E, block_input In, bool Runs = false>
+__global__ void __launch_bounds__(kTopkThreads, block_topk_min_blocks<E, In, Runs>())
     block_topk_kernel(const float* scores, std::int64_t row_stride, const std::int32_t* lengths, int n,
                       const topk_key* keys_in, int keys_per_row, int chunks, int k, topk_key* keys_out,
                       float* out_values, std::int32_t* out_indices) {
@@ -869,14 +881,19 @@ __global__ void __launch_bounds__(kTopkThreads, In == block_input::scores_filter
   if constexpr (In != block_input::keys) {
     const int len = row_length(lengths, row, n);
     const float* in = scores + std::int64_t{row} * row_stride;
-    bool ranked = false;
-    if constexpr (E % 4 == 0) {
-      if (chunk * span + span <= len && (reinterpret_cast<std::uintptr_t>(in) & 15u) == 0) {  // uniform
-        rank_score_chunk<4, E, In>(storage, in, chunk * span, len, k, sorted);
-        ranked = true;
+    if constexpr (Runs) {
+      static_assert(E % 4 == 0 && In != block_input::keys, "runs of four are loaded from scores");
+      rank_score_chunk<4, E, In>(storage, in, chunk * span, len, k, sorted);
+    } else {
+      bool ranked = false;
+      if constexpr (E % 4 == 0) {
+        if (chunk * span + span <= len && (reinterpret_cast<std::uintptr_t>(in) & 15u) == 0) {  // uniform
+          rank_score_chunk<4, E, In>(storage, in, chunk * span, len, k, sorted);
+          ranked = true;
+        }
       }
+      if (!ranked) rank_score_chunk<1, E, In>(storage, in, chunk * span, len, k, sorted);
     }
-    if (!ranked) rank_score_chunk<1, E, In>(storage, in, chunk * span, len, k, sorted);
   } else {
     const topk_key* in = keys_in + std::int64_t{row} * keys_per_row;
     topk_key keys[E];
@@ -940,16 +957,26 @@ struct launch_block {
       using block = block_topk<kTopkThreads, E>;
       const auto grid = static_cast<unsigned>(std::int64_t{rows} * chunks);
       const std::size_t keys = sizeof(topk_key) * block::sort_capacity(k);
-      if (!FromScores)
+      const std::size_t filtered_keys = sizeof(topk_key) * block::scores_capacity(k);
+      // Every chunk full and 16-byte aligned: the kernel without strided loads.
+      const bool runs = E % 4 == 0 && lengths == nullptr && n % (kTopkThreads * E) == 0 && stride % 4 == 0 &&
+                        reinterpret_cast<std::uintptr_t>(scores) % 16 == 0;
+      if constexpr (!FromScores) {
         block_topk_kernel<E, block_input::keys><<<grid, kTopkThreads, keys, stream>>>(
             scores, stride, lengths, n, keys_in, keys_per_row, chunks, k, keys_out, values, indices);
-      else if (k <= block::kFilterK)
-        block_topk_kernel<E, block_input::scores_filtered>
-            <<<grid, kTopkThreads, sizeof(topk_key) * block::scores_capacity(k), stream>>>(
-                scores, stride, lengths, n, keys_in, keys_per_row, chunks, k, keys_out, values, indices);
-      else
-        block_topk_kernel<E, block_input::scores><<<grid, kTopkThreads, keys, stream>>>(
-            scores, stride, lengths, n, keys_in, keys_per_row, chunks, k, keys_out, values, indices);
+      } else if (k <= block::kFilterK) {
+        auto kernel = block_topk_kernel<E, block_input::scores_filtered>;
+        if constexpr (E % 4 == 0)
+          if (runs) kernel = block_topk_kernel<E, block_input::scores_filtered, true>;
+        kernel<<<grid, kTopkThreads, filtered_keys, stream>>>(scores, stride, lengths, n, keys_in, keys_per_row,
+                                                              chunks, k, keys_out, values, indices);
+      } else {
+        auto kernel = block_topk_kernel<E, block_input::scores>;
+        if constexpr (E % 4 == 0)
+          if (runs) kernel = block_topk_kernel<E, block_input::scores, true>;
+        kernel<<<grid, kTopkThreads, keys, stream>>>(scores, stride, lengths, n, keys_in, keys_per_row, chunks, k,
+                                                     keys_out, values, indices);
+      }
       HISPARSE_CUDA_TRY(cudaGetLastError());
       return status::success;
     }
