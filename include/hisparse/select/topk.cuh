@@ -858,9 +858,16 @@ __device__ __forceinline__ void rank_score_chunk(typename block_topk<kTopkThread
 /// 4-5% faster than 6; the strided loads spill 76 bytes there. At E <= 8 a
 /// bound would lift 32 registers to 40 (8 CTAs to 6) and cost 5%, so none
 /// (0 is "none", which 1 is not: ptxas schedules differently under it).
+/// (Capped at the threads an SM holds: 2048 on sm_80, sm_90 and sm_100,
+/// 1536 on the others, e.g. sm_89, where 8 x 256 would be an error.)
 template <int E, block_input In, bool Runs>
 constexpr int block_topk_min_blocks() {
-  return In == block_input::scores_filtered && E == 16 ? (Runs ? 8 : 6) : 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ != 800 && __CUDA_ARCH__ != 900 && __CUDA_ARCH__ != 1000
+  constexpr int kThreadsPerSm = 1536;
+#else
+  constexpr int kThreadsPerSm = 2048;
+#endif
+  return In == block_input::scores_filtered && E == 16 ? std::min(Runs ? 8 : 6, kThreadsPerSm / kTopkThreads) : 0;
 }
 
 /// One block per (row, chunk of 256 * E inputs). Inputs are scores (first

@@ -23,11 +23,22 @@ using topk_key = std::uint64_t;
 inline constexpr topk_key kNoCandidate = 0;
 
 HISPARSE_HOST_DEVICE inline std::uint32_t ordered_bits(float score) {
+#if defined(__CUDA_ARCH__)
+  // Five instructions: -0 + +0 is +0 (add.rn without .ftz keeps subnormals
+  // whatever the build's flush mode), the sign spread by a shift flips
+  // negatives whole and sets the top bit of the rest, and NaN ranks last.
+  float canonical;
+  asm("add.rn.f32 %0, %1, 0f00000000;" : "=f"(canonical) : "f"(score));
+  const std::uint32_t u = __float_as_uint(canonical);
+  const std::uint32_t o = u ^ (static_cast<std::uint32_t>(static_cast<std::int32_t>(u) >> 31) | 0x80000000u);
+  return isnan(score) ? 0u : o;
+#else
   std::uint32_t u;
   std::memcpy(&u, &score, sizeof u);
   if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0;  // NaN ranks last
   if ((u & 0x7FFFFFFFu) == 0) u = 0;              // -0 == +0
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+#endif
 }
 
 /// ordered_bits' inverse on numbers (not NaN; -0 comes back as +0).
