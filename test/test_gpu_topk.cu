@@ -226,7 +226,7 @@ TEST_CASE("batched_topk matches the host oracle on random rows (warp, block, chu
   const std::uint64_t seed = test::fresh_seed();
   INFO("seed " << seed);
   workload::splitmix64 rng(seed);
-  for (const int n : {16, 100, 256, 257, 512, 513, 1000, 4096, 4097, 10000, 65536}) {
+  for (const int n : {16, 100, 128, 256, 257, 512, 513, 1000, 1024, 2048, 4096, 4097, 10000, 65536}) {
     const int rows = std::clamp(600000 / n, 9, 37);
     for (const char* layout : {"contiguous", "strided", "row_lengths"}) {
       INFO("n " << n << ", rows " << rows << ", " << layout);
@@ -493,4 +493,37 @@ TEST_CASE("block_topk::select_scores ranks only the entries below len, in either
       }
     }
   }
+}
+
+namespace {
+
+__global__ void ordered_bits_kernel(const std::uint32_t* in, std::uint32_t* out, int n) {
+  const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (i < n) out[i] = select::ordered_bits(__uint_as_float(in[i]));
+}
+
+}  // namespace
+
+TEST_CASE("ordered_bits gives the same word on the device as on the host", "[gpu][topk]") {
+  HISPARSE_REQUIRE_GPU();
+  // Every 4093rd bit pattern (a prime stride: every exponent, both signs,
+  // many NaN payloads) and the edges: zeros, subnormals, the smallest
+  // normals, infinities, the NaNs next to them.
+  std::vector<std::uint32_t> patterns;
+  for (std::uint64_t u = 0; u <= 0xFFFFFFFFull; u += 4093) patterns.push_back(static_cast<std::uint32_t>(u));
+  for (const std::uint32_t sign : {0u, 0x80000000u})
+    for (const std::uint32_t m : {0x0u, 0x1u, 0x2u, 0x7FFFFFu, 0x800000u, 0x800001u, 0x3F800000u, 0x7F7FFFFFu,
+                                  0x7F800000u, 0x7F800001u, 0x7FC00000u, 0x7FFFFFFFu})
+      patterns.push_back(sign | m);
+  device_buffer<std::uint32_t> in(patterns);
+  device_buffer<std::uint32_t> out(patterns.size());
+  const int n = static_cast<int>(patterns.size());
+  ordered_bits_kernel<<<(n + 255) / 256, 256>>>(in.ptr, out.ptr, n);
+  HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto got = out.download();
+  std::size_t wrong = 0, first = 0;
+  for (std::size_t i = 0; i < patterns.size(); ++i)
+    if (got[i] != select::ordered_bits(from_bits(patterns[i])) && wrong++ == 0) first = i;
+  INFO(wrong << " of " << patterns.size() << " differ; the first: pattern 0x" << std::hex << patterns[first]);
+  REQUIRE(wrong == 0);
 }

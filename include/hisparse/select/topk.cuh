@@ -24,7 +24,8 @@
 // top-k candidates are reduced again (temp storage). A full chunk at a
 // 16-byte aligned address loads as runs of four (a v4 load a thread per
 // 1024 entries); where the launch finds every chunk so, it runs a kernel
-// without the strided loads, which fits 8 blocks an SM instead of 6.
+// without the strided loads (the filtered one at 256 * 16 fits 8 blocks an
+// SM of 2048 threads instead of 6).
 //
 // Contract (the same as DESIGN.md section 1 and reference::select_top_k):
 // values descending, ties to the lower index, NaN below -inf, -0 == +0; a row
@@ -602,8 +603,8 @@ class block_topk {
   /// proves the k largest are among them. The survivors are placed by a warp
   /// scan of per-thread bit masks (one shared atomic per warp) as (score,
   /// index) pairs, and two warps or one sort them (detail::two_warp_top_k,
-  /// detail::warp_top_k). False (and
-  /// nothing written) when fewer than k or more than kSortCap pass. (A bool,
+  /// detail::warp_top_k). False (nothing of the result written; the pairs
+  /// area past it may be) when fewer than k or more than kSortCap pass. (A bool,
   /// not the count: with a count the compiler cannot tell the sorted path
   /// from the radix one and keeps x alive through the sort, spilling it.)
   template <int Vec>
@@ -808,7 +809,7 @@ __global__ void __launch_bounds__(kTopkThreads) warp_topk_kernel(const float* sc
   } else {
     load_strided<E, 32>(x, in, lane, len, 0.0f);
 #pragma unroll
-    for (int j = 0; j < E; ++j) {  // full rows need no mask (uniform per warp)
+    for (int j = 0; j < E; ++j) {  // a full row (uniform per warp) takes every key without a compare
       const int i = j * 32 + lane;
       keys[j] = len >= 32 * E || i < len ? make_key(x[j], i) : kNoCandidate;
     }
@@ -858,8 +859,10 @@ __device__ __forceinline__ void rank_score_chunk(typename block_topk<kTopkThread
 /// 4-5% faster than 6; the strided loads spill 76 bytes there. At E <= 8 a
 /// bound would lift 32 registers to 40 (8 CTAs to 6) and cost 5%, so none
 /// (0 is "none", which 1 is not: ptxas schedules differently under it).
-/// (Capped at the threads an SM holds: 2048 on sm_80, sm_90 and sm_100,
-/// 1536 on the others, e.g. sm_89, where 8 x 256 would be an error.)
+/// (Capped at the threads an SM holds, where 8 x 256 would be an error:
+/// sm_80, sm_90 and sm_100 are taken as 2048, every other target as 1536,
+/// which sm_86, sm_89 and sm_120 have; one with 2048 not listed only gets
+/// the lower bound.)
 template <int E, block_input In, bool Runs>
 constexpr int block_topk_min_blocks() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ != 800 && __CUDA_ARCH__ != 900 && __CUDA_ARCH__ != 1000
@@ -874,7 +877,8 @@ constexpr int block_topk_min_blocks() {
 /// pass) or keys from an earlier pass. With one chunk per row it writes the
 /// final result; otherwise each chunk's k best keys go to `keys_out`.
 /// Runs: the launch found every chunk full and 16-byte aligned (no row
-/// lengths, n a multiple of the chunk, row_stride of whole 16-byte units),
+/// lengths, n a multiple of the chunk, an aligned `scores` and a row_stride
+/// of whole 16-byte units),
 /// so every chunk loads as runs of four; otherwise each chunk that can does.
 template <int E, block_input In, bool Runs = false>
 __global__ void __launch_bounds__(kTopkThreads, block_topk_min_blocks<E, In, Runs>())
@@ -892,7 +896,7 @@ __global__ void __launch_bounds__(kTopkThreads, block_topk_min_blocks<E, In, Run
     const int len = row_length(lengths, row, n);
     const float* in = scores + std::int64_t{row} * row_stride;
     if constexpr (Runs) {
-      static_assert(E % 4 == 0 && In != block_input::keys, "runs of four are loaded from scores");
+      static_assert(E % 4 == 0, "runs of four need E a multiple of 4");
       rank_score_chunk<4, E, In>(storage, in, chunk * span, len, k, sorted);
     } else {
       bool ranked = false;

@@ -24,7 +24,7 @@ inline constexpr topk_key kNoCandidate = 0;
 
 HISPARSE_HOST_DEVICE inline std::uint32_t ordered_bits(float score) {
 #if defined(__CUDA_ARCH__)
-  // Five instructions: -0 + +0 is +0 (add.rn without .ftz keeps subnormals
+  // Five SASS instructions: -0 + +0 is +0 (add.rn without .ftz keeps subnormals
   // whatever the build's flush mode), the sign spread by a shift flips
   // negatives whole and sets the top bit of the rest, and NaN ranks last.
   float canonical;
