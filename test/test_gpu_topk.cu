@@ -463,15 +463,8 @@ TEST_CASE("block_topk::select_scores ranks only the entries below len, in either
       device_buffer<select::topk_key> out(static_cast<std::size_t>(rows) * k);
       device_buffer<int> found(static_cast<std::size_t>(rows));
       const std::size_t shared = sizeof(select::topk_key) * prim_block::scores_capacity(k);
-      if (vec == 1) {
-        HISPARSE_CUDA_CHECK(cudaFuncSetAttribute(select_scores_kernel<1>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024));
-        select_scores_kernel<1><<<rows, kPrimThreads, shared>>>(scores.ptr, lengths.ptr, k, out.ptr, found.ptr);
-      } else {
-        HISPARSE_CUDA_CHECK(cudaFuncSetAttribute(select_scores_kernel<4>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024));
-        select_scores_kernel<4><<<rows, kPrimThreads, shared>>>(scores.ptr, lengths.ptr, k, out.ptr, found.ptr);
-      }
+      auto* kernel = vec == 1 ? select_scores_kernel<1> : select_scores_kernel<4>;  // at most ~21 KB of shared memory
+      kernel<<<rows, kPrimThreads, shared>>>(scores.ptr, lengths.ptr, k, out.ptr, found.ptr);
       HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
       const auto keys = out.download();
       const auto counts = found.download();

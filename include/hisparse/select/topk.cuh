@@ -965,31 +965,33 @@ template <bool FromScores>
 struct launch_block {
   template <int E>
   struct with {
+    /// block_topk_kernel from scores: the all-runs instantiation where the
+    /// launch found every chunk full and aligned (and E allows runs).
+    template <block_input In>
+    static auto kernel_for(bool runs) {
+      if constexpr (E % 4 == 0) {
+        if (runs) return &block_topk_kernel<E, In, true>;
+      }
+      return &block_topk_kernel<E, In>;
+    }
+
     static status run(const float* scores, std::int64_t stride, const std::int32_t* lengths, int n,
                       const topk_key* keys_in, int keys_per_row, int rows, int chunks, int k, topk_key* keys_out,
                       float* values, std::int32_t* indices, cudaStream_t stream) {
       using block = block_topk<kTopkThreads, E>;
       const auto grid = static_cast<unsigned>(std::int64_t{rows} * chunks);
       const std::size_t keys = sizeof(topk_key) * block::sort_capacity(k);
-      const std::size_t filtered_keys = sizeof(topk_key) * block::scores_capacity(k);
-      // Every chunk full and 16-byte aligned: the kernel without strided loads.
-      const bool runs = E % 4 == 0 && lengths == nullptr && n % (kTopkThreads * E) == 0 && stride % 4 == 0 &&
-                        reinterpret_cast<std::uintptr_t>(scores) % 16 == 0;
       if constexpr (!FromScores) {
         block_topk_kernel<E, block_input::keys><<<grid, kTopkThreads, keys, stream>>>(
             scores, stride, lengths, n, keys_in, keys_per_row, chunks, k, keys_out, values, indices);
-      } else if (k <= block::kFilterK) {
-        auto kernel = block_topk_kernel<E, block_input::scores_filtered>;
-        if constexpr (E % 4 == 0)
-          if (runs) kernel = block_topk_kernel<E, block_input::scores_filtered, true>;
-        kernel<<<grid, kTopkThreads, filtered_keys, stream>>>(scores, stride, lengths, n, keys_in, keys_per_row,
-                                                              chunks, k, keys_out, values, indices);
       } else {
-        auto kernel = block_topk_kernel<E, block_input::scores>;
-        if constexpr (E % 4 == 0)
-          if (runs) kernel = block_topk_kernel<E, block_input::scores, true>;
-        kernel<<<grid, kTopkThreads, keys, stream>>>(scores, stride, lengths, n, keys_in, keys_per_row, chunks, k,
-                                                     keys_out, values, indices);
+        // Every chunk full and 16-byte aligned: the kernel without strided loads.
+        const bool runs = lengths == nullptr && n % (kTopkThreads * E) == 0 && stride % 4 == 0 &&
+                          reinterpret_cast<std::uintptr_t>(scores) % 16 == 0;
+        const bool filtered = k <= block::kFilterK;
+        auto* kernel = filtered ? kernel_for<block_input::scores_filtered>(runs) : kernel_for<block_input::scores>(runs);
+        kernel<<<grid, kTopkThreads, filtered ? sizeof(topk_key) * block::scores_capacity(k) : keys, stream>>>(
+            scores, stride, lengths, n, keys_in, keys_per_row, chunks, k, keys_out, values, indices);
       }
       HISPARSE_CUDA_TRY(cudaGetLastError());
       return status::success;
