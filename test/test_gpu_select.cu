@@ -192,6 +192,35 @@ TEST_CASE("decode selection breaks ties toward lower indices", "[gpu][select]") 
   check_problem_on_gpu(p, cache, /*exact=*/true);
 }
 
+TEST_CASE("decode selection: slices that crowd the one-warp ranking go to the whole CTA", "[gpu][select]") {
+  HISPARSE_REQUIRE_GPU();
+  mr::device_pool_resource device;
+  // ws = 32768: 32 far blocks, all kept, so the fine stage ranks 512 slices.
+  // The warp ranking holds slice c in lane c % 32 and keeps what reaches the
+  // 16th largest lane maximum. Here lanes 1-15 hold every slice above lane
+  // 0's, and the rest sit below it, so 241 slices reach that threshold, past
+  // its 64 and into the CTA's filter. Each slice's keys are one value v (the
+  // same in every dimension, exact in bf16), so its score is v times the
+  // group's summed query, signed per KV head so that larger v scores higher.
+  const SparseAttentionConfig cfg;
+  const std::int64_t len = 33300;
+  problem p = make_problem({8, 2, 128}, cfg, {len}, 21);
+  const int H = p.shape.num_kv_heads, D = p.shape.head_dim, G = p.shape.group_size();
+  for (int h = 0; h < H; ++h) {
+    double qsum = 0;
+    for (int g = 0; g < G * D; ++g) qsum += to_double(p.queries[static_cast<std::size_t>(h * G * D + g)]);
+    const float sign = qsum < 0 ? -1.0f : 1.0f;
+    for (std::int64_t t = 0; t < 32768; ++t) {
+      const int c = static_cast<int>(t / cfg.fine_slice), lane = c % 32, row = c / 32;
+      const float v = lane == 0 ? 0.5f : lane < 16 ? static_cast<float>(lane * 16 + row + 1) : 0.25f;
+      for (int d = 0; d < D; ++d)
+        p.keys[0][static_cast<std::size_t>((t * H + h) * D + d)] = from_float<__nv_bfloat16>(sign * v);
+    }
+  }
+  kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, cache_options(p, len));
+  check_problem_on_gpu(p, cache, /*exact=*/true);
+}
+
 TEST_CASE("wide top-k: the threshold filter up to k = 128, block_topk beyond", "[gpu][select]") {
   HISPARSE_REQUIRE_GPU();
   const std::uint64_t seed = test::fresh_seed();

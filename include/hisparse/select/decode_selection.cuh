@@ -730,6 +730,95 @@ __device__ void top_k_of_groups(const float* scores, int count, int k, const top
   }
 }
 
+/// The one-warp ranking (warp_rank_*): candidates per lane held in registers,
+/// and the survivors it ranks among themselves (two per lane).
+inline constexpr int kWarpRankPerLane = 16;
+inline constexpr int kWarpRankMax = 32 * kWarpRankPerLane;
+inline constexpr int kWarpRankSurvivors = 64;
+
+/// Whether warp_rank_* takes a stage of `count` candidates and top-k.
+__host__ __device__ inline bool fits_warp_rank(int count, int k) {
+  return count > k && count <= kWarpRankMax && k <= 32;
+}
+
+/// The first half of a top-k of scores[0, count) (ids 0..count-1, ties to
+/// the lower id; fits_warp_rank) on the calling warp alone, no barrier and
+/// no shuffle. Lane l holds candidates l, l + 32, l + 64, ... as ordered
+/// score words (ordered_bits). The threshold is the largest multiple of
+/// 2^16 that at least k lane maxima reach, found one bit at a time by
+/// ballots: at least k candidates reach it, so every one of the true top k
+/// does too (ties and the 16 dropped bits only add survivors). The
+/// survivors (~20 of 512 on random scores at k = 16: a lane's candidates
+/// are spread over every kept block, so a block of high slices does not
+/// crowd one lane) go to survivors[] as keys, in ascending candidate order.
+/// Returns their number; above kWarpRankSurvivors warp_rank_place cannot
+/// finish (survivors[] then holds the first kWarpRankSurvivors).
+///
+/// Shuffles and shared-memory loads share the SM's MIO queue with the
+/// decode attention's ldmatrix and cp.async traffic when its CTAs run
+/// beside this one (hierarchical_decode::run): the same ranking with the
+/// threshold counted by 31 shuffles measured 36.6 us per decode step
+/// against 36.0 with the ballots (H200, B = 8, T = 256K), though both take
+/// the same time alone.
+__device__ __forceinline__ int warp_rank_filter(const float* scores, int count, int k, topk_key* survivors) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  std::uint32_t o[kWarpRankPerLane];  // 0 past count (NaN is 0 too: validity is tested apart)
+  std::uint32_t lane_max = 0;
+#pragma unroll
+  for (int j = 0; j < kWarpRankPerLane; ++j) {
+    const int c = j * 32 + lane;
+    o[j] = c < count ? ordered_bits(scores[c]) : 0u;
+    lane_max = max(lane_max, o[j]);
+  }
+  std::uint32_t threshold = 0;  // at least k lane maxima reach it: true for 0
+#pragma unroll
+  for (int bit = 31; bit >= 16; --bit) {
+    const std::uint32_t trial = threshold | (1u << bit);
+    if (__popc(__ballot_sync(kFullMask, lane_max >= trial)) >= k) threshold = trial;
+  }
+  // Survivors in candidate order j * 32 + lane: row j's before row j + 1's.
+  const unsigned below_me = (1u << lane) - 1u;
+  int base = 0;
+#pragma unroll
+  for (int j = 0; j < kWarpRankPerLane; ++j) {
+    const int c = j * 32 + lane;
+    const bool take = c < count && o[j] >= threshold;
+    const unsigned row = __ballot_sync(kFullMask, take);
+    const int at = base + __popc(row & below_me);
+    if (take && at < kWarpRankSurvivors)  // make_key's word: the ordered score over the inverted index
+      survivors[at] = (static_cast<topk_key>(o[j]) << 32) | (0xFFFFFFFFu - static_cast<std::uint32_t>(c));
+    base += __popc(row);
+  }
+  return base;
+}
+
+/// The second half: ranks the n <= kWarpRankSurvivors keys of survivors[]
+/// (distinct, ascending candidate order, written by warp_rank_filter on this
+/// warp) against each other, two per lane, and calls emit(position,
+/// candidate) for the k with fewer than k above them, position counted in
+/// candidate order.
+template <class Emit>
+__device__ __forceinline__ void warp_rank_place(const topk_key* survivors, int n, int k, Emit emit) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  __syncwarp();  // survivors[] written by other lanes
+  const topk_key a = lane < n ? survivors[lane] : kNoCandidate;
+  const topk_key b = lane + 32 < n ? survivors[lane + 32] : kNoCandidate;
+  int above_a = 0, above_b = 0;
+  const auto* pairs = reinterpret_cast<const ulonglong2*>(survivors);
+#pragma unroll 4
+  for (int v = 0; v < (n + 1) / 2; ++v) {  // an odd n reads one slot past: masked below
+    const ulonglong2 x = pairs[v];
+    const bool second = 2 * v + 1 < n;
+    above_a += (x.x > a ? 1 : 0) + (second && x.y > a ? 1 : 0);
+    above_b += (x.x > b ? 1 : 0) + (second && x.y > b ? 1 : 0);
+  }
+  const bool take_a = lane < n && above_a < k, take_b = lane + 32 < n && above_b < k;
+  const unsigned first = __ballot_sync(kFullMask, take_a), second = __ballot_sync(kFullMask, take_b);
+  const unsigned below_me = (1u << lane) - 1u;
+  if (take_a) emit(__popc(first & below_me), key_index(a));
+  if (take_b) emit(__popc(first) + __popc(second & below_me), key_index(b));
+}
+
 /// Grid: x = KV head * S (a cluster of S CTAs per head), y = batch row.
 /// The cluster's CTAs split the scoring of blocks and of fine candidates and
 /// broadcast every block score into each other's shared memory, so each CTA
@@ -756,6 +845,7 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   // stage's group maxima, which the other CTAs write into rank 0's.
   __shared__ unsigned kept_mask[kCountMax / 32];
   __shared__ topk_key fine_group_max[kSelectThreads];
+  __shared__ int fine_survivors;  // warp_rank_filter's count, for the rest of rank 0
   extern __shared__ __align__(16) unsigned char smem[];
   auto* keys = reinterpret_cast<topk_key*>(smem + p.smem.keys);
   auto* coarse_scores = reinterpret_cast<float*>(smem + p.smem.coarse_scores);
@@ -864,14 +954,17 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
     return c + (kept_blocks[j] - j) * spb;
   };
   const int candidates = kept == 0 ? 0 : kept * spb - max(0, (kept_blocks[kept - 1] + 1) * spb - far_slices);
-  // Rank 0 ranks the slices. Where the warps' batches make at least 2k
-  // groups, every warp hands it the maximum key of each of its batches
-  // (group j * S * kSelectWarps + warp), so the ranking starts at its
-  // threshold (top_k_of_groups); otherwise mark_top_k finds its own.
+  // Rank 0 ranks the slices: up to 512 candidates and k <= 32 (the default
+  // 32 x 16 and 16) on one warp from registers (warp_rank_*), with no
+  // barrier. Otherwise, where the warps' batches make at least 2k groups,
+  // every warp hands it the maximum key of each of its batches (group j * S
+  // * kSelectWarps + warp), so the ranking starts at its threshold
+  // (top_k_of_groups); otherwise mark_top_k finds its own.
   using batch_t = row_batch<D, S>;
   constexpr int kFineStep = batch_t::kStride * batch_t::kRows;
   const int fine_groups = (candidates + kFineStep - 1) / kFineStep * (S * kSelectWarps);
-  const bool by_groups = candidates > p.top_k_fine && candidates <= kFilterMaxCandidates &&
+  const bool by_warp = fits_warp_rank(candidates, p.top_k_fine);
+  const bool by_groups = !by_warp && candidates > p.top_k_fine && candidates <= kFilterMaxCandidates &&
                          p.top_k_fine <= kFilterMaxK && fine_groups >= 2 * p.top_k_fine &&
                          fine_groups <= kSelectThreads;
   topk_key batch_max = kNoCandidate;
@@ -903,11 +996,25 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
     if (out_slice_scores) out_slice_scores[pos] = fine_scores[c];
   };
   int kept_slices = 0;
+  if (by_warp) {  // uniform across the CTA
+    // Warp 0 ranks alone; the others wait only to learn whether it could
+    // (more than kWarpRankSurvivors survivors: the CTA's filter below).
+    if (t < 32) {
+      const int n = warp_rank_filter(fine_scores, candidates, p.top_k_fine, keys);
+      if (t == 0) fine_survivors = n;
+      if (n <= kWarpRankSurvivors) {
+        warp_rank_place(keys, n, p.top_k_fine, emit_slice);
+        if (t == 0) p.out.num_slices[at] = p.top_k_fine;
+      }
+    }
+    __syncthreads();
+    if (fine_survivors <= kWarpRankSurvivors) return;
+  }
   if (by_groups) {  // uniform across the CTA
     top_k_of_groups(fine_scores, candidates, p.top_k_fine, fine_group_max, fine_groups, keys, temp.filter,
                     emit_slice);
     kept_slices = p.top_k_fine;
-  } else if (candidates > 0) {
+  } else if (candidates > 0) {  // by_warp's fallback too
     mark_top_k<Wide>(fine_scores, candidates, p.top_k_fine, keep, keys, temp);
     kept_slices = compact_marked<kMaxCandidates>(keep, candidates, temp.scan, emit_slice);
   }
