@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <vector>
 
 #include "gpu_problem.hpp"
@@ -76,6 +78,19 @@ void check_set(const std::vector<std::int32_t>& got, const reference::scored_sel
     }
 }
 
+/// A kept score against the reference's: within `margin`, or the same
+/// non-finite value (NaN and +-inf scores are ranked, not compared).
+bool same_score(double got, double ref, double margin) {
+  if (std::isnan(ref)) return std::isnan(got);
+  if (std::isinf(ref)) return got == ref;
+  return std::abs(got - ref) <= margin;
+}
+
+/// Bit-for-bit equal (NaN included).
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
 void compare(const problem& p, const gpu_result& g, int b, bool exact) {
   const int H = p.shape.num_kv_heads, kc = p.cfg.top_k_coarse, kf = p.cfg.top_k_fine;
   const auto seq = p.sequence(b);
@@ -95,10 +110,12 @@ void compare(const problem& p, const gpu_result& g, int b, bool exact) {
     const auto& rs = tile.slices[h];
     // fp32 error scale: a score's size, or the size of the terms it sums
     // (|sum_g q_g| |mean| bounds them; a score near 0 by cancellation keeps
-    // the terms' rounding error).
+    // the terms' rounding error). Non-finite scores and means are left out.
     double scale = 1e-30, qnorm = 0, mnorm = 0;
-    for (const double s : rb.kept_scores) scale = std::max(scale, std::abs(s));
-    for (const double s : rs.kept_scores) scale = std::max(scale, std::abs(s));
+    for (const double s : rb.kept_scores)
+      if (std::isfinite(s)) scale = std::max(scale, std::abs(s));
+    for (const double s : rs.kept_scores)
+      if (std::isfinite(s)) scale = std::max(scale, std::abs(s));
     for (int d = 0; d < D; ++d) {
       double q = 0;
       for (int gq = 0; gq < G; ++gq) q += to_double(seq.queries(0, h * G + gq, d));
@@ -107,14 +124,14 @@ void compare(const problem& p, const gpu_result& g, int b, bool exact) {
     for (std::int64_t sl = 0; sl < far_slices; ++sl) {
       double m = 0;
       for (int d = 0; d < D; ++d) m += std::pow(means[static_cast<std::size_t>((sl * H + h) * D + d)], 2);
-      mnorm = std::max(mnorm, m);
+      if (std::isfinite(m)) mnorm = std::max(mnorm, m);
     }
     scale = std::max(scale, std::sqrt(qnorm * mnorm));
     REQUIRE(g.num_slices[at] == static_cast<std::int32_t>(rs.kept.size()));
     for (std::size_t i = rs.kept.size(); i < static_cast<std::size_t>(kf); ++i) REQUIRE(gs[i] == -1);
     // Kept scores match the reference's within fp32 accumulation.
     for (std::size_t i = 0; i < rb.kept.size() && gb[i] == rb.kept[i]; ++i)
-      REQUIRE(g.block_scores[at * kc + i] == Approx(rb.kept_scores[i]).margin(1e-5 * scale));
+      REQUIRE(same_score(g.block_scores[at * kc + i], rb.kept_scores[i], 1e-5 * scale));
     std::vector<std::int32_t> gbk(gb.begin(), std::find(gb.begin(), gb.end(), -1));
     if (exact || gbk == rb.kept) {
       REQUIRE(gbk == rb.kept);
@@ -122,7 +139,7 @@ void compare(const problem& p, const gpu_result& g, int b, bool exact) {
       if (exact) REQUIRE(gsk == rs.kept);
       REQUIRE(std::is_sorted(gsk.begin(), gsk.end()));
       for (std::size_t i = 0; i < rs.kept.size() && i < gsk.size() && gsk[i] == rs.kept[i]; ++i)
-        REQUIRE(g.slice_scores[at * kf + i] == Approx(rs.kept_scores[i]).margin(1e-5 * scale));
+        REQUIRE(same_score(g.slice_scores[at * kf + i], rs.kept_scores[i], 1e-5 * scale));
       std::vector<double> slice_ref(static_cast<std::size_t>(len / p.cfg.fine_slice + 1), -1e300);
       // Scores of every fine candidate, for the threshold check.
       for (const auto blk : rb.kept)
@@ -140,8 +157,11 @@ void compare(const problem& p, const gpu_result& g, int b, bool exact) {
   }
 }
 
+/// Runs the selection on every sequence of p (appended to `cache` here),
+/// checks it against the reference and the single-CTA kernel, and returns
+/// the cluster kernel's result.
 template <class Cache>
-void check_problem_on_gpu(const problem& p, Cache& cache, bool exact = false) {
+gpu_result check_problem_on_gpu(const problem& p, Cache& cache, bool exact = false) {
   const auto slots = fill(p, cache);
   const auto g = run_selection(p, cache, slots, nullptr);
   for (int b = 0; b < static_cast<int>(p.lengths.size()); ++b) compare(p, g, b, exact);
@@ -150,8 +170,9 @@ void check_problem_on_gpu(const problem& p, Cache& cache, bool exact = false) {
   CHECK(single.blocks == g.blocks);
   CHECK(single.slices == g.slices);
   CHECK(single.num_slices == g.num_slices);
-  CHECK(single.block_scores == g.block_scores);
-  CHECK(single.slice_scores == g.slice_scores);
+  CHECK(same_bits(single.block_scores, g.block_scores));
+  CHECK(same_bits(single.slice_scores, g.slice_scores));
+  return g;
 }
 
 }  // namespace
@@ -192,33 +213,120 @@ TEST_CASE("decode selection breaks ties toward lower indices", "[gpu][select]") 
   check_problem_on_gpu(p, cache, /*exact=*/true);
 }
 
+namespace {
+/// The sign of KV head h's summed query (over the group and the dimensions).
+float query_sign(const problem& p, int h) {
+  const int D = p.shape.head_dim, G = p.shape.group_size();
+  double qsum = 0;
+  for (int g = 0; g < G * D; ++g) qsum += to_double(p.queries[static_cast<std::size_t>(h * G * D + g)]);
+  return qsum < 0 ? -1.0f : 1.0f;
+}
+
+/// Sets every key of slices [0, slices) of sequence 0 to one value v(slice)
+/// in every dimension (exact in bf16), so slice c scores v(c) times the
+/// group's summed query; the value is signed per KV head so that a larger v
+/// scores higher.
+template <class V>
+void plant_slices(problem& p, std::int64_t slices, V v) {
+  const int H = p.shape.num_kv_heads, D = p.shape.head_dim, F = p.cfg.fine_slice;
+  for (int h = 0; h < H; ++h) {
+    const float sign = query_sign(p, h);
+    for (std::int64_t t = 0; t < slices * F; ++t) {
+      const auto x = from_float<__nv_bfloat16>(sign * v(static_cast<int>(t / F)));
+      for (int d = 0; d < D; ++d) p.keys[0][static_cast<std::size_t>((t * H + h) * D + d)] = x;
+    }
+  }
+}
+
+/// Makes slice c of sequence 0 score `value` in every KV head: NaN (every
+/// key NaN), or +-inf (one key's one dimension, whose summed query is
+/// positive, set to that infinity).
+void poison_slice(problem& p, std::int64_t c, float value) {
+  const int H = p.shape.num_kv_heads, D = p.shape.head_dim, G = p.shape.group_size(), F = p.cfg.fine_slice;
+  for (int h = 0; h < H; ++h) {
+    const std::size_t first = static_cast<std::size_t>(c * F * H + h) * D;
+    if (std::isnan(value)) {
+      for (std::int64_t t = 0; t < F; ++t)
+        for (int d = 0; d < D; ++d)
+          p.keys[0][first + static_cast<std::size_t>(t * H * D + d)] = from_float<__nv_bfloat16>(value);
+      continue;
+    }
+    int dim = 0;  // a dimension whose summed query is positive (one exists unless all are <= 0)
+    double best = -1.0;
+    for (int d = 0; d < D; ++d) {
+      double q = 0;
+      for (int g = 0; g < G; ++g) q += to_double(p.queries[static_cast<std::size_t>((h * G + g) * D + d)]);
+      if (q > best) best = q, dim = d;
+    }
+    REQUIRE(best > 0);
+    p.keys[0][first + static_cast<std::size_t>(dim)] = from_float<__nv_bfloat16>(value);
+  }
+}
+}  // namespace
+
 TEST_CASE("decode selection: slices that crowd the one-warp ranking go to the whole CTA", "[gpu][select]") {
   HISPARSE_REQUIRE_GPU();
   mr::device_pool_resource device;
   // ws = 32768: 32 far blocks, all kept, so the fine stage ranks 512 slices.
   // The warp ranking holds slice c in lane c % 32 and keeps what reaches the
-  // 16th largest lane maximum. Here lanes 1-15 hold every slice above lane
-  // 0's, and the rest sit below it, so 241 slices reach that threshold, past
-  // its 64 and into the CTA's filter. Each slice's keys are one value v (the
-  // same in every dimension, exact in bf16), so its score is v times the
-  // group's summed query, signed per KV head so that larger v scores higher.
+  // largest multiple of 2^16 that 16 lane maxima reach. Here lanes 1-15 hold
+  // every slice above lane 0's and the rest sit below it, so 256 slices
+  // (lanes 0-15) reach that threshold, past its 64 and into the CTA's
+  // filter.
   const SparseAttentionConfig cfg;
   const std::int64_t len = 33300;
   problem p = make_problem({8, 2, 128}, cfg, {len}, 21);
-  const int H = p.shape.num_kv_heads, D = p.shape.head_dim, G = p.shape.group_size();
-  for (int h = 0; h < H; ++h) {
-    double qsum = 0;
-    for (int g = 0; g < G * D; ++g) qsum += to_double(p.queries[static_cast<std::size_t>(h * G * D + g)]);
-    const float sign = qsum < 0 ? -1.0f : 1.0f;
-    for (std::int64_t t = 0; t < 32768; ++t) {
-      const int c = static_cast<int>(t / cfg.fine_slice), lane = c % 32, row = c / 32;
-      const float v = lane == 0 ? 0.5f : lane < 16 ? static_cast<float>(lane * 16 + row + 1) : 0.25f;
-      for (int d = 0; d < D; ++d)
-        p.keys[0][static_cast<std::size_t>((t * H + h) * D + d)] = from_float<__nv_bfloat16>(sign * v);
-    }
-  }
+  plant_slices(p, 512, [](int c) {
+    const int lane = c % 32, row = c / 32;
+    return lane == 0 ? 0.5f : lane < 16 ? static_cast<float>(lane * 16 + row + 1) : 0.25f;
+  });
   kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, cache_options(p, len));
   check_problem_on_gpu(p, cache, /*exact=*/true);
+}
+
+TEST_CASE("decode selection ranks NaN scores last and infinite ones as numbers", "[gpu][select]") {
+  HISPARSE_REQUIRE_GPU();
+  mr::device_pool_resource device;
+  const SparseAttentionConfig cfg;
+  // Slice scores 128-255 (one value per slice, exact), then NaN, +inf and
+  // -inf planted. A NaN slice makes its block's mean NaN and an infinite
+  // one its block's mean infinite.
+  auto plain = [](int c) { return static_cast<float>(128 + (c * 37) % 128); };
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  SECTION("the fine stage: 32 blocks, all kept, 512 slices") {
+    const std::int64_t len = 33300;  // ws = 32768
+    problem p = make_problem({8, 2, 128}, cfg, {len}, 23);
+    plant_slices(p, 512, plain);
+    poison_slice(p, 5, nan);
+    poison_slice(p, 200, inf);
+    poison_slice(p, 300, -inf);
+    poison_slice(p, 301, nan);
+    kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, cache_options(p, len));
+    const auto g = check_problem_on_gpu(p, cache, /*exact=*/true);
+    for (int h = 0; h < p.shape.num_kv_heads; ++h) {
+      const auto first = g.slices.begin() + h * cfg.top_k_fine, last = first + cfg.top_k_fine;
+      CHECK(std::find(first, last, 200) != last);  // +inf ranks first
+      for (const int c : {5, 300, 301}) CHECK(std::find(first, last, c) == last);
+    }
+  }
+  SECTION("the coarse stage: 68 blocks") {
+    const std::int64_t len = 70000;  // ws = 69440: 67 whole blocks and a partial one
+    problem p = make_problem({8, 2, 128}, cfg, {len}, 24);
+    plant_slices(p, 69440 / 64, plain);
+    poison_slice(p, 10 * 16 + 3, nan);   // block 10: NaN
+    poison_slice(p, 40 * 16 + 7, inf);   // block 40: +inf, and its slice 647 first among slices
+    poison_slice(p, 50 * 16 + 1, -inf);  // block 50: -inf
+    poison_slice(p, 67 * 16 + 2, nan);   // the partial block (its far slices' sums): NaN
+    kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, cache_options(p, len));
+    const auto g = check_problem_on_gpu(p, cache, /*exact=*/true);
+    for (int h = 0; h < p.shape.num_kv_heads; ++h) {
+      const auto first = g.blocks.begin() + h * cfg.top_k_coarse, last = first + cfg.top_k_coarse;
+      CHECK(std::find(first, last, 40) != last);
+      for (const int blk : {10, 50, 67}) CHECK(std::find(first, last, blk) == last);
+      const auto s0 = g.slices.begin() + h * cfg.top_k_fine, s1 = s0 + cfg.top_k_fine;
+      CHECK(std::find(s0, s1, 40 * 16 + 7) != s1);
+    }
+  }
 }
 
 TEST_CASE("wide top-k: the threshold filter up to k = 128, block_topk beyond", "[gpu][select]") {
