@@ -742,8 +742,8 @@ __host__ __device__ inline bool fits_warp_rank(int count, int k) {
 }
 
 /// The first half of a top-k of scores[0, count) (ids 0..count-1, ties to
-/// the lower id; fits_warp_rank) on the calling warp alone, no barrier and
-/// no shuffle. Lane l holds candidates l, l + 32, l + 64, ... as ordered
+/// the lower id; fits_warp_rank) on the calling warp alone (all 32 lanes,
+/// converged), no barrier and no shuffle. Lane l holds candidates l, l + 32, l + 64, ... as ordered
 /// score words (ordered_bits). The threshold is the largest multiple of
 /// 2^16 that at least k lane maxima reach, found one bit at a time by
 /// ballots: at least k candidates reach it, so every one of the true top k
@@ -751,6 +751,9 @@ __host__ __device__ inline bool fits_warp_rank(int count, int k) {
 /// survivors (~20 of 512 on random scores at k = 16: a lane's candidates
 /// are spread over every kept block, so a block of high slices does not
 /// crowd one lane) go to survivors[] as keys, in ascending candidate order.
+/// The 16 bits keep ~7 of the mantissa: scores whose spread is under ~1% of
+/// their common offset (N(50, 0.1), say) all share the threshold's bucket,
+/// and every stage falls back (correct, slower).
 /// Returns their number; above kWarpRankSurvivors warp_rank_place cannot
 /// finish (survivors[] then holds the first kWarpRankSurvivors).
 ///
@@ -824,8 +827,8 @@ __device__ __forceinline__ void warp_rank_place(const topk_key* survivors, int n
 /// broadcast every block score into each other's shared memory, so each CTA
 /// holds all of them after a cluster barrier; they split the block ranking
 /// (count_top_k: each ranks a share, the kept bits go to every CTA), and
-/// CTA 0 ranks the slices (from the group maxima the scoring warps hand it)
-/// and writes the outputs. Wide: the kernel that can
+/// CTA 0 ranks the slices (on one warp, warp_rank_*, at the defaults) and
+/// writes the outputs. Wide: the kernel that can
 /// rank more than kFilterMaxCandidates candidates or keep more than
 /// kFilterMaxK (block_topk); the narrow one ranks by the filter alone.
 template <class Q, int D, int S, bool Wide>
@@ -955,11 +958,13 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   };
   const int candidates = kept == 0 ? 0 : kept * spb - max(0, (kept_blocks[kept - 1] + 1) * spb - far_slices);
   // Rank 0 ranks the slices: up to 512 candidates and k <= 32 (the default
-  // 32 x 16 and 16) on one warp from registers (warp_rank_*), with no
-  // barrier. Otherwise, where the warps' batches make at least 2k groups,
-  // every warp hands it the maximum key of each of its batches (group j * S
-  // * kSelectWarps + warp), so the ranking starts at its threshold
-  // (top_k_of_groups); otherwise mark_top_k finds its own.
+  // 32 x 16 and 16) on warp 0 from registers (warp_rank_*; one CTA barrier
+  // tells the other warps whether it finished, and more than
+  // kWarpRankSurvivors survivors fall back to mark_top_k). Otherwise, where
+  // the warps' batches make at least 2k groups, every warp hands it the
+  // maximum key of each of its batches (group j * S * kSelectWarps + warp),
+  // so the ranking starts at its threshold (top_k_of_groups); otherwise
+  // mark_top_k finds its own.
   using batch_t = row_batch<D, S>;
   constexpr int kFineStep = batch_t::kStride * batch_t::kRows;
   const int fine_groups = (candidates + kFineStep - 1) / kFineStep * (S * kSelectWarps);
