@@ -743,19 +743,21 @@ __host__ __device__ inline bool fits_warp_rank(int count, int k) {
 
 /// The first half of a top-k of scores[0, count) (ids 0..count-1, ties to
 /// the lower id; fits_warp_rank) on the calling warp alone (all 32 lanes,
-/// converged), no barrier and no shuffle. Lane l holds candidates l, l + 32, l + 64, ... as ordered
-/// score words (ordered_bits). The threshold is the largest multiple of
-/// 2^16 that at least k lane maxima reach, found one bit at a time by
-/// ballots: at least k candidates reach it, so every one of the true top k
-/// does too (ties and the 16 dropped bits only add survivors). The
-/// survivors (~20 of 512 on random scores at k = 16: a lane's candidates
-/// are spread over every kept block, so a block of high slices does not
-/// crowd one lane) go to survivors[] as keys, in ascending candidate order.
+/// converged), no barrier and no shuffle. Lane l holds candidates l, l + 32,
+/// l + 64, ... as ordered score words (ordered_bits). The threshold is the
+/// largest multiple of 2^16 that at least k lane maxima reach, found one
+/// bit at a time by ballots: at least k candidates reach it, so every one
+/// of the true top k does too (ties and the 16 dropped bits only add
+/// survivors). The survivors (~20 of 512 on random scores at k = 16: a
+/// lane's candidates are spread over every kept block, so a block of high
+/// slices does not crowd one lane) go to survivors[] as keys, in ascending
+/// candidate order. Returns their number; above kWarpRankSurvivors
+/// warp_rank_place cannot finish (survivors[] then holds the first
+/// kWarpRankSurvivors).
+///
 /// The 16 bits keep ~7 of the mantissa: scores whose spread is under ~1% of
 /// their common offset (N(50, 0.1), say) all share the threshold's bucket,
 /// and every stage falls back (correct, slower).
-/// Returns their number; above kWarpRankSurvivors warp_rank_place cannot
-/// finish (survivors[] then holds the first kWarpRankSurvivors).
 ///
 /// Shuffles and shared-memory loads share the SM's MIO queue with the
 /// decode attention's ldmatrix and cp.async traffic when its CTAs run
@@ -788,8 +790,7 @@ __device__ __forceinline__ int warp_rank_filter(const float* scores, int count, 
     const bool take = c < count && o[j] >= threshold;
     const unsigned row = __ballot_sync(kFullMask, take);
     const int at = base + __popc(row & below_me);
-    if (take && at < kWarpRankSurvivors)  // make_key's word: the ordered score over the inverted index
-      survivors[at] = (static_cast<topk_key>(o[j]) << 32) | (0xFFFFFFFFu - static_cast<std::uint32_t>(c));
+    if (take && at < kWarpRankSurvivors) survivors[at] = key_of_word(o[j], c);
     base += __popc(row);
   }
   return base;

@@ -487,8 +487,7 @@ class block_topk {
     int base, len;               ///< base: the entry of x[0]
     __device__ topk_key operator()(int j) const {
       const int i = base + entry_offset<Vec>(j);
-      return i < len ? (static_cast<topk_key>(words[j * Threads]) << 32) | (0xFFFFFFFFu - static_cast<std::uint32_t>(i))
-                     : kNoCandidate;
+      return i < len ? key_of_word(words[j * Threads], i) : kNoCandidate;
     }
   };
 

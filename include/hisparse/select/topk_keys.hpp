@@ -49,9 +49,13 @@ HISPARSE_HOST_DEVICE inline float from_ordered_bits(std::uint32_t o) {
   return score;
 }
 
+/// The key of a score already turned into its ordered word.
+HISPARSE_HOST_DEVICE inline topk_key key_of_word(std::uint32_t ordered, std::int32_t index) {
+  return (static_cast<topk_key>(ordered) << 32) | static_cast<topk_key>(0xFFFFFFFFu - static_cast<std::uint32_t>(index));
+}
+
 HISPARSE_HOST_DEVICE inline topk_key make_key(float score, std::int32_t index) {
-  return (static_cast<topk_key>(ordered_bits(score)) << 32) |
-         static_cast<topk_key>(0xFFFFFFFFu - static_cast<std::uint32_t>(index));
+  return key_of_word(ordered_bits(score), index);
 }
 
 HISPARSE_HOST_DEVICE inline std::int32_t key_index(topk_key key) {
