@@ -108,10 +108,10 @@ inline int cold_copies(double touched, double footprint) {
 }
 
 #ifdef __CUDACC__
-/// x[i] = a standard normal sample drawn from (seed, i): a splitmix64 hash
-/// of both, through Box-Muller.
+/// x[i] = mean + a standard normal sample drawn from (seed, i): a
+/// splitmix64 hash of both, through Box-Muller.
 template <class T>
-__global__ void fill_normal_kernel(T* x, std::size_t n, std::uint64_t seed) {
+__global__ void fill_normal_kernel(T* x, std::size_t n, std::uint64_t seed, float mean) {
   for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
        i += std::size_t{gridDim.x} * blockDim.x) {
     std::uint64_t z = seed * 0xD1B54A32D192ED03ull + i * 0x9E3779B97F4A7C15ull;
@@ -120,15 +120,16 @@ __global__ void fill_normal_kernel(T* x, std::size_t n, std::uint64_t seed) {
     z ^= z >> 31;
     const float u1 = (static_cast<float>(z & 0xFFFFFF) + 0.5f) * 0x1p-24f;
     const float u2 = static_cast<float>((z >> 24) & 0xFFFFFF) * 0x1p-24f;
-    x[i] = from_float<T>(sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2));
+    x[i] = from_float<T>(mean + sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2));
   }
 }
 
-/// Fills a device array with normal samples on the device: inputs as large
-/// as a 256K-token KV cache, all distinct, without host generation.
+/// Fills a device array with normal samples (variance 1) on the device:
+/// inputs as large as a 256K-token KV cache, all distinct, without host
+/// generation.
 template <class T>
-void fill_normal(T* x, std::size_t n, std::uint64_t seed, cudaStream_t stream = nullptr) {
-  fill_normal_kernel<<<1024, 256, 0, stream>>>(x, n, seed);
+void fill_normal(T* x, std::size_t n, std::uint64_t seed, float mean = 0.0f, cudaStream_t stream = nullptr) {
+  fill_normal_kernel<<<1024, 256, 0, stream>>>(x, n, seed, mean);
   HISPARSE_CUDA_CHECK(cudaGetLastError());
 }
 #endif

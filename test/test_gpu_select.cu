@@ -204,6 +204,23 @@ TEST_CASE("decode selection with GQA 1, 4, 8 and head_dim 64, 128, 256", "[gpu][
     }
 }
 
+TEST_CASE("decode selection of keys that share a large mean", "[gpu][select]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  mr::device_pool_resource device;
+  // Keys N(16, 1): every slice score of a KV head carries the same offset,
+  // 16 times its group's summed query (~360 at head_dim 128), beside a
+  // spread of ~3. The one-warp ranking resolves its threshold below the
+  // bits the scores share (a threshold of 16 absolute bits put all 512 in
+  // one bucket), with scores of both signs across the heads.
+  problem p = make_problem({32, 8, 128}, SparseAttentionConfig{}, {33 * 1024 + 17, 100003}, seed);
+  for (auto& seq : p.keys)
+    for (auto& x : seq) x = from_float<__nv_bfloat16>(16.0f + to_float(x));
+  kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, cache_options(p, 100003));
+  check_problem_on_gpu(p, cache);
+}
+
 TEST_CASE("decode selection breaks ties toward lower indices", "[gpu][select]") {
   HISPARSE_REQUIRE_GPU();
   mr::device_pool_resource device;
@@ -268,11 +285,10 @@ TEST_CASE("decode selection: slices that crowd the one-warp ranking go to the wh
   HISPARSE_REQUIRE_GPU();
   mr::device_pool_resource device;
   // ws = 32768: 32 far blocks, all kept, so the fine stage ranks 512 slices.
-  // The warp ranking holds slice c in lane c % 32 and keeps what reaches the
-  // largest multiple of 2^16 that 16 lane maxima reach. Here lanes 1-15 hold
-  // every slice above lane 0's and the rest sit below it, so 256 slices
-  // (lanes 0-15) reach that threshold, past its 64 and into the CTA's
-  // filter.
+  // The warp ranking holds slice c in lane c % 32 and keeps what reaches
+  // the 16th largest lane maximum. Here lanes 1-15 hold every slice above
+  // lane 0's and the rest sit below it, so 256 slices (lanes 0-15) reach
+  // that threshold, past its 64 and into the CTA's filter.
   const SparseAttentionConfig cfg;
   const std::int64_t len = 33300;
   problem p = make_problem({8, 2, 128}, cfg, {len}, 21);

@@ -745,19 +745,22 @@ __host__ __device__ inline bool fits_warp_rank(int count, int k) {
 /// the lower id; fits_warp_rank) on the calling warp alone (all 32 lanes,
 /// converged), no barrier and no shuffle. Lane l holds candidates l, l + 32,
 /// l + 64, ... as ordered score words (ordered_bits). The threshold is the
-/// largest multiple of 2^16 that at least k lane maxima reach, found one
-/// bit at a time by ballots: at least k candidates reach it, so every one
-/// of the true top k does too (ties and the 16 dropped bits only add
-/// survivors). The survivors (~20 of 512 on random scores at k = 16: a
-/// lane's candidates are spread over every kept block, so a block of high
-/// slices does not crowd one lane) go to survivors[] as keys, in ascending
-/// candidate order. Returns their number; above kWarpRankSurvivors
-/// warp_rank_place cannot finish (survivors[] then holds the first
-/// kWarpRankSurvivors).
+/// largest word that at least k lane maxima reach, to 16 bits below the
+/// highest bit in which the lane maxima differ, found one bit at a time by
+/// ballots: at least k candidates reach it, so every one of the true top k
+/// does too (ties and the unresolved low bits only add survivors). The
+/// survivors (~20 of 512 on random scores at k = 16: a lane's candidates
+/// are spread over every kept block, so a block of high slices does not
+/// crowd one lane) go to survivors[] as keys, in ascending candidate order.
+/// Returns their number; above kWarpRankSurvivors warp_rank_place cannot
+/// finish (survivors[] then holds the first kWarpRankSurvivors).
 ///
-/// The 16 bits keep ~7 of the mantissa: scores whose spread is under ~1% of
-/// their common offset (N(50, 0.1), say) all share the threshold's bucket,
-/// and every stage falls back (correct, slower).
+/// The 16 bits start below the lane maxima's common prefix, not at the sign
+/// bit: scores that share a large offset (keys with a common mean
+/// direction) spread over a small fraction of it, and a threshold of 16
+/// absolute bits (7 of the mantissa) put all 512 candidates of N(50, 0.1)
+/// in one bucket, so every stage fell back to mark_top_k. Only a lane
+/// maximum far outside the rest (an infinite score) widens the bucket again.
 ///
 /// Shuffles and shared-memory loads share the SM's MIO queue with the
 /// decode attention's ldmatrix and cp.async traffic when its CTAs run
@@ -775,10 +778,18 @@ __device__ __forceinline__ int warp_rank_filter(const float* scores, int count, 
     o[j] = c < count ? ordered_bits(scores[c]) : 0u;
     lane_max = max(lane_max, o[j]);
   }
-  std::uint32_t threshold = 0;  // at least k lane maxima reach it: true for 0
+  // The lane maxima of the lanes holding candidates lie in [lo, hi], so
+  // they share every bit above the highest bit where lo and hi differ; so
+  // does the threshold, and the ballots resolve the 16 bits below.
+  const std::uint32_t hi = __reduce_max_sync(kFullMask, lane_max);
+  const std::uint32_t lo = __reduce_min_sync(kFullMask, lane < count ? lane_max : ~0u);
+  const std::uint32_t free_bits = lo == hi ? 0u : ~0u >> __clz(lo ^ hi);
+  // All min(count, 32) >= k lanes with candidates reach the shared bits.
+  std::uint32_t threshold = hi & ~free_bits;
+  std::uint32_t bit = free_bits ^ (free_bits >> 1);  // the highest free bit (0: none)
 #pragma unroll
-  for (int bit = 31; bit >= 16; --bit) {
-    const std::uint32_t trial = threshold | (1u << bit);
+  for (int round = 0; round < 16; ++round, bit >>= 1) {
+    const std::uint32_t trial = threshold | bit;
     if (__popc(__ballot_sync(kFullMask, lane_max >= trial)) >= k) threshold = trial;
   }
   // Survivors in candidate order j * 32 + lane: row j's before row j + 1's.
