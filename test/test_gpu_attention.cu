@@ -300,6 +300,41 @@ TEST_CASE("sparse decode step across GQA 1/4/8, head_dim 64/128, batches 1/3/8",
       }
 }
 
+TEST_CASE("sparse decode step with the attention let in at each point of the selection", "[gpu][attention]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  mr::device_pool_resource device;
+  // hierarchical_decode lets the attention's CTAs start once the blocks are
+  // ranked (the tests above: the fine stage ranked on one warp), once the
+  // fine candidates are scored (a fine stage the whole CTA ranks), or with
+  // the selection (a selection of more than two CTAs per SM). What the
+  // attention reads must not depend on it.
+  SECTION("top_k_fine 40: the whole CTA ranks 512 fine candidates") {
+    const SparseAttentionConfig wide_fine{512, 1024, 64, 32, 40, 1};
+    const auto p = test::make_problem<__nv_bfloat16>({8, 2, 128}, wide_fine, {40000, 70001, 3000}, seed);
+    kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, test::cache_options(p, 70001));
+    const auto slots = test::fill(p, cache);
+    const auto g = run_step(p, cache, slots);
+    check_against_fp64(p, g, false);
+    check_selection_matches_reference(p, g);
+  }
+  SECTION("more selection CTAs than two per SM") {
+    attention::gpu_limits gpu;
+    REQUIRE(attention::current_gpu_limits(gpu) == status::success);
+    const int kv_heads = 8;
+    const int batch = 2 * gpu.sms / (kv_heads * select::detail::kSelectCluster) + 1;
+    std::vector<std::int64_t> lengths;
+    for (int b = 0; b < batch; ++b) lengths.push_back(2000 + 977 * b);
+    const auto p = test::make_problem<__nv_bfloat16>({kv_heads, kv_heads, 64}, SparseAttentionConfig{}, lengths, seed + 1);
+    kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, test::cache_options(p, lengths.back()));
+    const auto slots = test::fill(p, cache);
+    const auto g = run_step(p, cache, slots);
+    check_against_fp64(p, g, false);
+    check_selection_matches_reference(p, g);
+  }
+}
+
 TEST_CASE("sparse decode step at 300K tokens", "[gpu][attention]") {
   HISPARSE_REQUIRE_GPU();
   const std::uint64_t seed = test::fresh_seed();

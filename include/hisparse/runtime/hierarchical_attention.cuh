@@ -159,7 +159,7 @@ class hierarchical_decode {
   /// programmatic dependent of the selection: its CTAs start while the
   /// selection drains and wait for it only before reading the kept slices.
   [[nodiscard]] status run(cudaStream_t stream = nullptr) const {
-    HISPARSE_TRY(launch_selection(stream, selection_carveout_));
+    HISPARSE_TRY(launch_selection(stream, selection_carveout_, attention_launch_));
     return launch_attention(stream, /*overlap_previous=*/true);
   }
 
@@ -167,7 +167,7 @@ class hierarchical_decode {
   /// selection (writes kept_slices()), and the attention over the last
   /// selection's kept slices, launched as an ordinary kernel.
   [[nodiscard]] status run_selection(cudaStream_t stream = nullptr) const {
-    return launch_selection(stream, /*max_shared_carveout=*/false);
+    return launch_selection(stream, /*max_shared_carveout=*/false, dependents_launch::at_start);
   }
   [[nodiscard]] status run_attention(cudaStream_t stream = nullptr) const {
     return launch_attention(stream, /*overlap_previous=*/false);
@@ -181,10 +181,12 @@ class hierarchical_decode {
   [[nodiscard]] const attention::decode_attention_plan& attention_plan() const { return attention_plan_; }
 
  private:
-  status launch_selection(cudaStream_t stream, bool max_shared_carveout) const {
+  using dependents_launch = typename select::decode_selection_arguments<T>::dependents_launch;
+  status launch_selection(cudaStream_t stream, bool max_shared_carveout, dependents_launch dependents) const {
     if (!planned_) return fail(status::invalid_argument, "hierarchical decode: run before plan");
     auto selection = selection_arguments(args_);
     selection.max_shared_carveout = max_shared_carveout;
+    selection.dependents = dependents;
     return select::select_decode_async(cfg_, selection, selection_output(), stream);
   }
   status launch_attention(cudaStream_t stream, bool overlap_previous) const {
@@ -198,6 +200,7 @@ class hierarchical_decode {
     std::size_t attention = 0, kept = 0, num = 0, window = 0, total = 0;
     attention::decode_attention_plan attention_plan;
     bool selection_carveout = false;  ///< run() asks the selection for max_shared_carveout
+    dependents_launch attention_launch = dependents_launch::at_start;  ///< when run()'s attention may start
   };
 
   /// The selection's CTAs for `a` (an upper bound: clusters of
@@ -234,6 +237,21 @@ class hierarchical_decode {
     const std::int64_t attention_ctas = std::int64_t{ap.splits} * ap.head_splits * ap.kv_heads * ap.batch;
     const std::int64_t free_sms = gpu.sms - std::min<std::int64_t>(selection_ctas(a), gpu.sms);
     l.selection_carveout = beside && attention_ctas > free_sms * ap.ctas_per_sm;
+    // The attention's CTAs start beside the selection's as late as pays,
+    // where the selection runs in one wave beside them (H200, 2026-11-30,
+    // T = 256K unless said): once the blocks are ranked where rank 0 ranks
+    // the slices on one warp (the defaults: B = 8 35.9 -> 35.7 us per step,
+    // 33.3 -> 31.9 at T = 32K; B = 1 21.4 -> 21.3), once the fine
+    // candidates are scored where its whole CTA ranks them (top-k 32 at
+    // B = 8: 56.0 -> 52.3; the defaults lost 2 us that way). Where the
+    // selection takes several waves (B = 32) its last wave would hold them
+    // back: they start with it (B = 32 lost 1.6-2.2 us otherwise).
+    const std::int64_t fine_candidates = std::int64_t{cfg_.top_k_coarse} * cfg_.slices_per_block();
+    const bool warp_ranks = fine_candidates <= select::detail::kWarpRankMax &&
+                            select::detail::fits_warp_rank(static_cast<int>(fine_candidates), cfg_.top_k_fine);
+    l.attention_launch = !beside     ? dependents_launch::at_start
+                         : warp_ranks ? dependents_launch::after_blocks
+                                      : dependents_launch::after_fine_scores;
     auto align = [](std::size_t x) { return (x + 255) / 256 * 256; };
     const std::size_t rows = static_cast<std::size_t>(a.batch) * a.cache.kv_heads;
     l.attention = 0;
@@ -252,6 +270,7 @@ class hierarchical_decode {
     window_begin_ = reinterpret_cast<std::int32_t*>(base + l.window);
     attention_plan_ = l.attention_plan;
     selection_carveout_ = l.selection_carveout;
+    attention_launch_ = l.attention_launch;
     args_ = a;
   }
 
@@ -285,6 +304,7 @@ class hierarchical_decode {
   arguments args_{};
   attention::decode_attention_plan attention_plan_{};
   bool selection_carveout_ = false;
+  dependents_launch attention_launch_ = dependents_launch::at_start;
   std::int32_t* kept_slices_ = nullptr;
   std::int32_t* num_slices_ = nullptr;
   std::int32_t* window_begin_ = nullptr;
