@@ -93,6 +93,7 @@ struct step_output {
   std::vector<std::int32_t> kept, num, window;
   int splits = 0;              // the attention's plan
   bool cluster_merge = false;
+  int attention_launch = -1;   // run_step: hierarchical_decode::attention_launch()
 };
 
 /// Checks a GPU output against fp64 attention over the given selection (or
@@ -166,6 +167,7 @@ step_output run_step(const test::problem<T>& p, Cache& cache, const std::vector<
   HISPARSE_CUDA_CHECK(cudaMemcpy(g.kept.data(), op.kept_slices(), g.kept.size() * 4, cudaMemcpyDeviceToHost));
   HISPARSE_CUDA_CHECK(cudaMemcpy(g.num.data(), op.num_slices(), g.num.size() * 4, cudaMemcpyDeviceToHost));
   HISPARSE_CUDA_CHECK(cudaMemcpy(g.window.data(), op.window_begin(), g.window.size() * 4, cudaMemcpyDeviceToHost));
+  g.attention_launch = static_cast<int>(op.attention_launch());
   return g;
 }
 
@@ -295,6 +297,8 @@ TEST_CASE("sparse decode step across GQA 1/4/8, head_dim 64/128, batches 1/3/8",
         kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, test::cache_options(p, 20000));
         const auto slots = test::fill(p, cache);
         const auto g = run_step(p, cache, slots);
+        REQUIRE(g.attention_launch ==
+                static_cast<int>(hierarchical_decode<__nv_bfloat16>::dependents_launch::after_blocks));
         check_against_fp64(p, g, false);
         check_selection_matches_reference(p, g);
       }
@@ -310,12 +314,14 @@ TEST_CASE("sparse decode step with the attention let in at each point of the sel
   // fine candidates are scored (a fine stage the whole CTA ranks), or with
   // the selection (a selection of more than two CTAs per SM). What the
   // attention reads must not depend on it.
+  using launch = hierarchical_decode<__nv_bfloat16>::dependents_launch;
   SECTION("top_k_fine 40: the whole CTA ranks 512 fine candidates") {
     const SparseAttentionConfig wide_fine{512, 1024, 64, 32, 40, 1};
     const auto p = test::make_problem<__nv_bfloat16>({8, 2, 128}, wide_fine, {40000, 70001, 3000}, seed);
     kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, test::cache_options(p, 70001));
     const auto slots = test::fill(p, cache);
     const auto g = run_step(p, cache, slots);
+    REQUIRE(g.attention_launch == static_cast<int>(launch::after_fine_scores));
     check_against_fp64(p, g, false);
     check_selection_matches_reference(p, g);
   }
@@ -330,6 +336,7 @@ TEST_CASE("sparse decode step with the attention let in at each point of the sel
     kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, test::cache_options(p, lengths.back()));
     const auto slots = test::fill(p, cache);
     const auto g = run_step(p, cache, slots);
+    REQUIRE(g.attention_launch == static_cast<int>(launch::at_start));
     check_against_fp64(p, g, false);
     check_selection_matches_reference(p, g);
   }

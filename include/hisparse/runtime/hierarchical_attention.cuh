@@ -179,9 +179,12 @@ class hierarchical_decode {
   [[nodiscard]] const std::int32_t* num_slices() const { return num_slices_; }
   [[nodiscard]] const std::int32_t* window_begin() const { return window_begin_; }
   [[nodiscard]] const attention::decode_attention_plan& attention_plan() const { return attention_plan_; }
+  /// When run()'s attention may start within the selection (the plan's
+  /// choice, see make_layout).
+  using dependents_launch = typename select::decode_selection_arguments<T>::dependents_launch;
+  [[nodiscard]] dependents_launch attention_launch() const { return attention_launch_; }
 
  private:
-  using dependents_launch = typename select::decode_selection_arguments<T>::dependents_launch;
   status launch_selection(cudaStream_t stream, bool max_shared_carveout, dependents_launch dependents) const {
     if (!planned_) return fail(status::invalid_argument, "hierarchical decode: run before plan");
     auto selection = selection_arguments(args_);
@@ -215,8 +218,9 @@ class hierarchical_decode {
   /// wave less those slots: at B = 8, T = 256K, 3 splits instead of 4, and
   /// the step 38.1 us instead of 40.3 (the fourth split's CTAs did not all
   /// find a slot, and finished ~3 us after the rest; H200). With top-k 32
-  /// the same rule costs 1.6 us (more kept slices per CTA): a rule that
-  /// weighs both is open.
+  /// the same rule cost 1.6 us (more kept slices per CTA), measured while
+  /// the attention still started with the selection (now after its fine
+  /// scores there: attention_launch); a rule that weighs both is open.
   static bool beside_selection(const arguments& a, const attention::gpu_limits& gpu) {
     return selection_ctas(a) <= 2 * std::int64_t{gpu.sms};
   }
@@ -246,9 +250,13 @@ class hierarchical_decode {
     // B = 8: 56.0 -> 52.3; the defaults lost 2 us that way). Where the
     // selection takes several waves (B = 32) its last wave would hold them
     // back: they start with it (B = 32 lost 1.6-2.2 us otherwise).
-    const std::int64_t fine_candidates = std::int64_t{cfg_.top_k_coarse} * cfg_.slices_per_block();
-    const bool warp_ranks = fine_candidates <= select::detail::kWarpRankMax &&
-                            select::detail::fits_warp_rank(static_cast<int>(fine_candidates), cfg_.top_k_fine);
+    // The fine stage's most candidates (the cache holds at most max_blocks);
+    // a stage of no more than top_k_fine is kept whole, not ranked.
+    const std::int64_t fine_candidates =
+        std::int64_t{std::min(cfg_.top_k_coarse, a.cache.max_blocks)} * cfg_.slices_per_block();
+    const bool warp_ranks = fine_candidates <= cfg_.top_k_fine ||
+                            (fine_candidates <= select::detail::kWarpRankMax &&
+                             select::detail::fits_warp_rank(static_cast<int>(fine_candidates), cfg_.top_k_fine));
     l.attention_launch = !beside     ? dependents_launch::at_start
                          : warp_ranks ? dependents_launch::after_blocks
                                       : dependents_launch::after_fine_scores;

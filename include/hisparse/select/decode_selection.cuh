@@ -753,22 +753,25 @@ __host__ __device__ inline bool fits_warp_rank(int count, int k) {
 /// the lower id; fits_warp_rank) on the calling warp alone (all 32 lanes,
 /// converged), no barrier and no shuffle. Lane l holds candidates l, l + 32,
 /// l + 64, ... as ordered score words (ordered_bits). The threshold is the
-/// largest word that at least k lane maxima reach, to 16 bits below the
-/// highest bit in which the lane maxima differ, found one bit at a time by
-/// ballots: at least k candidates reach it, so every one of the true top k
-/// does too (ties and the unresolved low bits only add survivors). The
-/// survivors (~20 of 512 on random scores at k = 16: a lane's candidates
-/// are spread over every kept block, so a block of high slices does not
-/// crowd one lane) go to survivors[] as keys, in ascending candidate order.
-/// Returns their number; above kWarpRankSurvivors warp_rank_place cannot
-/// finish (survivors[] then holds the first kWarpRankSurvivors).
+/// largest word that at least k lane maxima reach, found one bit at a time
+/// by ballots over the lane maxima's heights above the smallest of them, to
+/// the 16 bits from the highest bit of their spread: at least k candidates
+/// reach it, so every one of the true top k does too (ties and the
+/// unresolved low bits only add survivors). The survivors (~20 of 512 on
+/// random scores at k = 16: a lane's candidates are spread over every kept
+/// block, so a block of high slices does not crowd one lane) go to
+/// survivors[] as keys, in ascending candidate order. Returns their number;
+/// above kWarpRankSurvivors warp_rank_place cannot finish (survivors[] then
+/// holds the first kWarpRankSurvivors).
 ///
-/// The 16 bits start below the lane maxima's common prefix, not at the sign
-/// bit: scores that share a large offset (keys with a common mean
-/// direction) spread over a small fraction of it, and a threshold of 16
-/// absolute bits (7 of the mantissa) put all 512 candidates of N(50, 0.1)
-/// in one bucket, so every stage fell back to mark_top_k. Only a lane
-/// maximum far outside the rest (an infinite score) widens the bucket again.
+/// Heights, not absolute words: scores that share a large offset (keys with
+/// a common mean direction) spread over a small fraction of it, and a
+/// threshold of the 16 top bits of the word (7 of the mantissa) put all 512
+/// candidates of N(50, 0.1) in one bucket, so every stage fell back to
+/// mark_top_k; the bits below the lane maxima's common prefix still did
+/// whenever the spread straddled a power of two (N(1.998, 0.001)). Only a
+/// lane maximum far from the rest (an infinite score, a lane of NaN or
+/// -inf) widens the buckets again.
 ///
 /// Shuffles and shared-memory loads share the SM's MIO queue with the
 /// decode attention's ldmatrix and cp.async traffic when its CTAs run
@@ -786,20 +789,21 @@ __device__ __forceinline__ int warp_rank_filter(const float* scores, int count, 
     o[j] = c < count ? ordered_bits(scores[c]) : 0u;
     lane_max = max(lane_max, o[j]);
   }
-  // The lane maxima of the lanes holding candidates lie in [lo, hi], so
-  // they share every bit above the highest bit where lo and hi differ; so
-  // does the threshold, and the ballots resolve the 16 bits below.
+  // The lane maxima of the lanes holding candidates lie in [lo, hi]: the
+  // ballots search their heights above lo, from the highest bit of hi - lo
+  // down, so the 16 rounds resolve the spread wherever it lies. All
+  // min(count, 32) >= k lanes with candidates reach height 0.
   const std::uint32_t hi = __reduce_max_sync(kFullMask, lane_max);
   const std::uint32_t lo = __reduce_min_sync(kFullMask, lane < count ? lane_max : ~0u);
-  const std::uint32_t free_bits = lo == hi ? 0u : ~0u >> __clz(lo ^ hi);
-  // All min(count, 32) >= k lanes with candidates reach the shared bits.
-  std::uint32_t threshold = hi & ~free_bits;
-  std::uint32_t bit = free_bits ^ (free_bits >> 1);  // the highest free bit (0: none)
+  const std::uint32_t height = lane < count ? lane_max - lo : 0u;
+  std::uint32_t bit = hi == lo ? 0u : 0x80000000u >> __clz(hi - lo);  // 0: every maximum is lo
+  std::uint32_t reached = 0;
 #pragma unroll
   for (int round = 0; round < 16; ++round, bit >>= 1) {
-    const std::uint32_t trial = threshold | bit;
-    if (__popc(__ballot_sync(kFullMask, lane_max >= trial)) >= k) threshold = trial;
+    const std::uint32_t trial = reached | bit;
+    if (__popc(__ballot_sync(kFullMask, height >= trial)) >= k) reached = trial;
   }
+  const std::uint32_t threshold = lo + reached;
   // Survivors in candidate order j * 32 + lane: row j's before row j + 1's.
   const unsigned below_me = (1u << lane) - 1u;
   int base = 0;
@@ -1188,6 +1192,10 @@ template <class Q>
   if (a.queries == nullptr || a.slots == nullptr || a.slice_sums == nullptr || a.block_sums == nullptr ||
       a.lengths == nullptr)
     return bad("queries, slots and the cache's summaries must not be null");
+  if (a.dependents != decode_selection_arguments<Q>::dependents_launch::at_start &&
+      a.dependents != decode_selection_arguments<Q>::dependents_launch::after_blocks &&
+      a.dependents != decode_selection_arguments<Q>::dependents_launch::after_fine_scores)
+    return bad("dependents is not one of at_start, after_blocks, after_fine_scores");
   return detail::check_summaries(cfg, a, a.layer, "decode");
 }
 
