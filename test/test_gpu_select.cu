@@ -211,9 +211,10 @@ TEST_CASE("decode selection of keys that share a large mean", "[gpu][select]") {
   mr::device_pool_resource device;
   // Keys N(16, 1): every slice score of a KV head carries the same offset,
   // 16 times its group's summed query (~360 at head_dim 128), beside a
-  // spread of ~3. The one-warp ranking resolves its threshold below the
-  // bits the scores share (a threshold of 16 absolute bits put all 512 in
-  // one bucket), with scores of both signs across the heads.
+  // spread of ~3. The one-warp ranking resolves its threshold over the lane
+  // maxima's heights above the lowest (a threshold of the word's 16 top
+  // bits put all 512 in one bucket), with scores of both signs across the
+  // heads.
   problem p = make_problem({32, 8, 128}, SparseAttentionConfig{}, {33 * 1024 + 17, 100003}, seed);
   for (auto& seq : p.keys)
     for (auto& x : seq) x = from_float<__nv_bfloat16>(16.0f + to_float(x));

@@ -43,6 +43,7 @@
 #include "hisparse/config.hpp"
 #include "hisparse/core/async_copy.cuh"
 #include "hisparse/core/cluster.cuh"
+#include "hisparse/core/dependent_launch.cuh"
 #include "hisparse/core/gpu_limits.hpp"
 #include "hisparse/core/dtype.hpp"
 #include "hisparse/core/kernel_build.hpp"
@@ -198,6 +199,7 @@ using ptx::cp_async_commit;
 using ptx::cp_async_wait;
 using ptx::cp_async_wait_at_most;
 using ptx::smem_address;
+using ptx::wait_for_prior_grid;  // the selection, when launched as its programmatic dependent
 __device__ __forceinline__ void ldmatrix_x4(unsigned addr, unsigned (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -252,15 +254,6 @@ __device__ __forceinline__ unsigned pack2_residual(float x, float y, unsigned hi
     const float2 h = __half22float2(*reinterpret_cast<const __half2*>(&hi));
     return pack2<T>(x - h.x, y - h.y);
   }
-}
-/// Programmatic dependent launch (sm_90+): wait until the grid this one may
-/// overlap (the selection) has finished and its writes are visible. A no-op
-/// when the launch was not programmatic, and on older architectures (which
-/// are never launched that way).
-__device__ __forceinline__ void wait_for_prior_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
 }
 
 /// Grid: x = split, y = KV head * head_splits + head split, z = batch row.

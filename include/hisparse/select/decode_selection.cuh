@@ -27,6 +27,7 @@
 #include "hisparse/config.hpp"
 #include "hisparse/core/async_copy.cuh"
 #include "hisparse/core/cluster.cuh"
+#include "hisparse/core/dependent_launch.cuh"
 #include "hisparse/core/dtype.hpp"
 #include "hisparse/core/kernel_build.hpp"
 #include "hisparse/core/status.hpp"
@@ -846,13 +847,6 @@ __device__ __forceinline__ void warp_rank_place(const topk_key* survivors, int n
   if (take_b) emit(__popc(first) + __popc(second & below_me), key_index(b));
 }
 
-/// griddepcontrol.launch_dependents (sm_90; nothing before).
-__device__ __forceinline__ void launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
 /// Grid: x = KV head * S (a cluster of S CTAs per head), y = batch row.
 /// The cluster's CTAs split the scoring of blocks and of fine candidates and
 /// broadcast every block score into each other's shared memory, so each CTA
@@ -872,7 +866,7 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   // its griddepcontrol.wait, which still waits for this whole grid to
   // finish. No-op for an ordinary next launch.
   using launch = typename decode_selection_arguments<Q>::dependents_launch;
-  if (p.in.dependents == launch::at_start) launch_dependents();
+  if (p.in.dependents == launch::at_start) ptx::launch_dependents();
   __shared__ float qsum[D];
   __shared__ selection_temp<Wide> temp;
   // count_top_k's kept-block bits (candidates <= kCountMax) and the fine
@@ -979,7 +973,7 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
       if (out_block_scores) out_block_scores[i] = -__int_as_float(0x7f800000);
     }
 
-  if (in.dependents == launch::after_blocks) launch_dependents();
+  if (in.dependents == launch::after_blocks) ptx::launch_dependents();
 
   // Step 5: the far slices of the kept blocks, in ascending slice order.
   // Candidate c is slice kept_blocks[c / spb] * spb + c % spb. Only the last
@@ -1020,7 +1014,7 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
           batch_max = kNoCandidate;
         }
       });
-  if (in.dependents == launch::after_fine_scores) launch_dependents();
+  if (in.dependents == launch::after_fine_scores) ptx::launch_dependents();
   // Only the writer (rank 0) ranks the slices, so the scores go to it alone
   // and the others leave once their scores are released: nobody reads or
   // writes their shared memory after this arrive.
@@ -1192,9 +1186,8 @@ template <class Q>
   if (a.queries == nullptr || a.slots == nullptr || a.slice_sums == nullptr || a.block_sums == nullptr ||
       a.lengths == nullptr)
     return bad("queries, slots and the cache's summaries must not be null");
-  if (a.dependents != decode_selection_arguments<Q>::dependents_launch::at_start &&
-      a.dependents != decode_selection_arguments<Q>::dependents_launch::after_blocks &&
-      a.dependents != decode_selection_arguments<Q>::dependents_launch::after_fine_scores)
+  using launch = typename decode_selection_arguments<Q>::dependents_launch;
+  if (static_cast<unsigned>(a.dependents) > static_cast<unsigned>(launch::after_fine_scores))
     return bad("dependents is not one of at_start, after_blocks, after_fine_scores");
   return detail::check_summaries(cfg, a, a.layer, "decode");
 }
