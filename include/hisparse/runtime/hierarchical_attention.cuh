@@ -250,13 +250,12 @@ class hierarchical_decode {
     // B = 8: 56.0 -> 52.3; the defaults lost 2 us that way). Where the
     // selection takes several waves (B = 32) its last wave would hold them
     // back: they start with it (B = 32 lost 1.6-2.2 us otherwise).
-    // The fine stage's most candidates (the cache holds at most max_blocks);
-    // a stage of no more than top_k_fine is kept whole, not ranked.
-    const std::int64_t fine_candidates =
-        std::int64_t{std::min(cfg_.top_k_coarse, a.cache.max_blocks)} * cfg_.slices_per_block();
-    const bool warp_ranks = fine_candidates <= cfg_.top_k_fine ||
-                            (fine_candidates <= select::detail::kWarpRankMax &&
-                             select::detail::fits_warp_rank(static_cast<int>(fine_candidates), cfg_.top_k_fine));
+    // The fine stage's most candidates (the cache holds at most max_blocks;
+    // can_implement bounds them by 4096); a stage of no more than
+    // top_k_fine is kept whole, not ranked.
+    const int fine_candidates = std::min(cfg_.top_k_coarse, a.cache.max_blocks) * cfg_.slices_per_block();
+    const bool warp_ranks =
+        fine_candidates <= cfg_.top_k_fine || select::detail::fits_warp_rank(fine_candidates, cfg_.top_k_fine);
     l.attention_launch = !beside     ? dependents_launch::at_start
                          : warp_ranks ? dependents_launch::after_blocks
                                       : dependents_launch::after_fine_scores;
