@@ -50,6 +50,7 @@ struct decode_fixture {
     o.head_dim = kDim;
     o.max_sequences = batch;
     o.max_context = context;
+    o.bf16_slice_sums = true;  // for BM_decode_step_bf16_sums; unread by the fp32 configs
     return o;
   }
 
@@ -139,12 +140,9 @@ double copy_bandwidth(bench::event_timer& timer, cudaStream_t stream) {
   return 2.0 * kBytes / bench::median(t);
 }
 
-void BM_decode_step(benchmark::State& state) {
+void decode_step(benchmark::State& state, const SparseAttentionConfig& cfg) {
   const int batch = static_cast<int>(state.range(0));
   const auto context = static_cast<std::int32_t>(state.range(1));
-  const preset_registry presets;
-  const SparseAttentionConfig cfg =
-      presets.get(state.range(2) == 16 ? preset_id::standard : preset_id::high_recall);
   const int copies = step_copies(batch, context);
   decode_fixture fx(batch, context, copies);
   const auto args = fx.arguments();
@@ -181,7 +179,7 @@ void BM_decode_step(benchmark::State& state) {
   const double copy = copy_bandwidth(timer, stream);
 
   // Bytes each stage must read. Selection: every candidate block's sum and
-  // the kept blocks' slice sums (fp32); attention: K and V of the kept
+  // the kept blocks' slice sums (fp32, or bf16); attention: K and V of the kept
   // slices and the window; dense: K and V of every token.
   std::vector<std::int32_t> num(static_cast<std::size_t>(batch) * kKvHeads), window(static_cast<std::size_t>(batch));
   HISPARSE_CUDA_CHECK(cudaMemcpy(num.data(), sparse.num_slices(), num.size() * 4, cudaMemcpyDeviceToHost));
@@ -195,8 +193,10 @@ void BM_decode_step(benchmark::State& state) {
   const double attn_bytes = attended * kv_row;
   const double ws_before = window[0];
   const double blocks = std::ceil(ws_before / cfg.coarse_block);
+  const double slice_bytes = cfg.slice_summary_type == dtype::bf16 ? 2.0 : 4.0;
   const double sel_bytes =
-      batch * kKvHeads * (blocks + std::min<double>(cfg.top_k_coarse, blocks) * cfg.slices_per_block()) * kDim * 4.0;
+      batch * kKvHeads *
+      (blocks * 4.0 + std::min<double>(cfg.top_k_coarse, blocks) * cfg.slices_per_block() * slice_bytes) * kDim;
   const double dense_bytes_read = static_cast<double>(batch) * kKvHeads * context * kv_row;
 
   const double step_s = bench::median(t_step), attn_s = bench::median(t_attn), sel_s = bench::median(t_sel);
@@ -220,6 +220,16 @@ void BM_decode_step(benchmark::State& state) {
   state.counters["splits"] = sparse.attention_plan().splits;
   state.counters["cluster_merge"] = sparse.attention_plan().cluster_merge ? 1 : 0;
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+void BM_decode_step(benchmark::State& state) {
+  const preset_registry presets;
+  decode_step(state, presets.get(state.range(2) == 16 ? preset_id::standard : preset_id::high_recall));
+}
+
+/// The standard step with the fine filter on bf16 slice summaries.
+void BM_decode_step_bf16_sums(benchmark::State& state) {
+  decode_step(state, preset_registry{}.get(preset_id::standard_bf16_summaries));
 }
 
 /// The composed step with another attention tile policy (rows per stage,
@@ -260,6 +270,9 @@ inline constexpr tile_policy kTile128x8x2{1, 128, 8, 2};
 BENCHMARK(BM_decode_step)->ArgNames({"B", "T", "topk"})
     ->ArgsProduct({{1, 8, 32}, {32768, 131072, 262144}, {16}})
     ->Args({8, 262144, 32})
+    ->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_decode_step_bf16_sums)->ArgNames({"B", "T"})
+    ->ArgsProduct({{1, 8, 32}, {32768, 131072, 262144}})
     ->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
 #define HISPARSE_TILE_SWEEP(tile)                                                                          \
   BENCHMARK_TEMPLATE(BM_step_tile, tile)->ArgNames({"B", "T"})->ArgsProduct({{8, 32}, {262144}})->UseManualTime() \

@@ -22,6 +22,7 @@ TEST_CASE("the default config is DESIGN.md's", "[config]") {
   CHECK(c.top_k_fine == 16);
   CHECK(c.slices_per_block() == 16);
   CHECK(c.score_type == dtype::fp32);
+  CHECK(c.slice_summary_type == dtype::fp32);
   CHECK(check(c) == status::success);
 }
 
@@ -45,6 +46,8 @@ TEST_CASE("every invalid config field is rejected with its name", "[config]") {
       {"query_tile", [](auto& c) { c.query_tile = 1000; }},
       {"score_type", [](auto& c) { c.score_type = dtype::bf16; }},
       {"score_type", [](auto& c) { c.score_type = dtype::fp16; }},
+      {"slice_summary_type", [](auto& c) { c.slice_summary_type = dtype::fp16; }},
+      {"slice_summary_type", [](auto& c) { c.slice_summary_type = dtype::fp64; }},
   };
   for (const auto& bc : cases) {
     SparseAttentionConfig c;
@@ -92,6 +95,11 @@ TEST_CASE("the preset registry maps ids to validated configs", "[config]") {
   CHECK(reg.get(preset_id::standard) == SparseAttentionConfig{});
   CHECK(reg.get(preset_id::high_recall).top_k_fine == 32);
   CHECK(reg.find("short_context") == preset_id::short_context);
+  // standard with the decode fine filter on bf16 slice sums, nothing else.
+  SparseAttentionConfig bf16_sums;
+  bf16_sums.slice_summary_type = dtype::bf16;
+  CHECK(reg.get(preset_id::standard_bf16_summaries) == bf16_sums);
+  CHECK(reg.find("standard_bf16_summaries") == preset_id::standard_bf16_summaries);
   CHECK(reg.list().size() == std::size(kBuiltinPresets));
   CHECK_THROWS_WITH(reg.get(static_cast<preset_id>(77)), Catch::Contains("unknown preset id 77"));
   CHECK_THROWS_WITH(reg.find("nope"), Catch::Contains("unknown preset name"));

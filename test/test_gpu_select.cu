@@ -61,16 +61,15 @@ gpu_result run_selection(const problem& p, Cache& cache, const std::vector<int>&
 }
 
 /// Same kept set, or a difference made only of items whose reference scores
-/// are within fp32 rounding of the selection boundary.
+/// are within `tol` of the selection boundary (fp32 rounding).
 void check_set(const std::vector<std::int32_t>& got, const reference::scored_selection& ref,
-               const std::vector<double>& ref_score_of, double scale) {
+               const std::vector<double>& ref_score_of, double tol) {
   std::vector<std::int32_t> g;
   for (const auto x : got)
     if (x >= 0) g.push_back(x);
   REQUIRE(g.size() == ref.kept.size());
   if (g == ref.kept) return;
   const double boundary = *std::min_element(ref.kept_scores.begin(), ref.kept_scores.end());
-  const double tol = 1e-4 * scale;
   for (const auto x : g)
     if (!std::binary_search(ref.kept.begin(), ref.kept.end(), x)) {
       INFO("selected " << x << " with reference score " << ref_score_of[x] << ", boundary " << boundary);
@@ -99,6 +98,10 @@ void compare(const problem& p, const gpu_result& g, int b, bool exact) {
   const auto& tile = r.tiles.at(0);
   REQUIRE(g.window[static_cast<std::size_t>(b)] == tile.window_begin);
   const auto means = reference::slice_means(seq.keys, p.cfg, tile.window_begin);
+  // What the fine stage scores: the same means, or (slice_summary_type =
+  // bf16) the cache's bf16-rounded sums over F.
+  const bool bf16_fine = p.cfg.slice_summary_type == dtype::bf16;
+  const auto fine_means = bf16_fine ? reference::slice_means(seq.keys, p.cfg, tile.window_begin, dtype::bf16) : means;
   const int G = p.shape.group_size(), D = p.shape.head_dim;
   const std::int64_t far_slices = tile.window_begin / p.cfg.fine_slice;
   for (int h = 0; h < H; ++h) {
@@ -127,6 +130,24 @@ void compare(const problem& p, const gpu_result& g, int b, bool exact) {
       if (std::isfinite(m)) mnorm = std::max(mnorm, m);
     }
     scale = std::max(scale, std::sqrt(qnorm * mnorm));
+    // bf16 sums: the cache rounds its fp32 sum, the reference the exact one,
+    // so a sum within fp32 rounding of a bf16 rounding boundary may land one
+    // bf16 ulp (<= 2^-7 of it) apart: allow two such components per score.
+    double fine_margin = 1e-5 * scale;
+    if (bf16_fine) {
+      double qmax = 0, mmax = 0;
+      for (int d = 0; d < D; ++d) {
+        double q = 0;
+        for (int gq = 0; gq < G; ++gq) q += to_double(seq.queries(0, h * G + gq, d));
+        qmax = std::max(qmax, std::abs(q));
+      }
+      for (std::int64_t sl = 0; sl < far_slices; ++sl)
+        for (int d = 0; d < D; ++d) {
+          const double m = std::abs(means[static_cast<std::size_t>((sl * H + h) * D + d)]);
+          if (std::isfinite(m)) mmax = std::max(mmax, m);
+        }
+      fine_margin += 2.0 * 0x1.0p-7 * qmax * mmax;
+    }
     REQUIRE(g.num_slices[at] == static_cast<std::int32_t>(rs.kept.size()));
     for (std::size_t i = rs.kept.size(); i < static_cast<std::size_t>(kf); ++i) REQUIRE(gs[i] == -1);
     // Kept scores match the reference's within fp32 accumulation.
@@ -139,7 +160,7 @@ void compare(const problem& p, const gpu_result& g, int b, bool exact) {
       if (exact) REQUIRE(gsk == rs.kept);
       REQUIRE(std::is_sorted(gsk.begin(), gsk.end()));
       for (std::size_t i = 0; i < rs.kept.size() && i < gsk.size() && gsk[i] == rs.kept[i]; ++i)
-        REQUIRE(same_score(g.slice_scores[at * kf + i], rs.kept_scores[i], 1e-5 * scale));
+        REQUIRE(same_score(g.slice_scores[at * kf + i], rs.kept_scores[i], fine_margin));
       std::vector<double> slice_ref(static_cast<std::size_t>(len / p.cfg.fine_slice + 1), -1e300);
       // Scores of every fine candidate, for the threshold check.
       for (const auto blk : rb.kept)
@@ -149,10 +170,11 @@ void compare(const problem& p, const gpu_result& g, int b, bool exact) {
           double sc = 0;
           for (int gq = 0; gq < G; ++gq)
             for (int d = 0; d < D; ++d)
-              sc += to_double(seq.queries(0, h * G + gq, d)) * means[static_cast<std::size_t>((sl * H + h) * D + d)];
+              sc += to_double(seq.queries(0, h * G + gq, d)) *
+                    fine_means[static_cast<std::size_t>((sl * H + h) * D + d)];
           slice_ref[static_cast<std::size_t>(sl)] = sc;
         }
-      check_set(gsk, rs, slice_ref, scale);
+      check_set(gsk, rs, slice_ref, 1e-4 * scale + (bf16_fine ? fine_margin : 0.0));
     }
   }
 }
@@ -202,6 +224,91 @@ TEST_CASE("decode selection with GQA 1, 4, 8 and head_dim 64, 128, 256", "[gpu][
       kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, cache_options(p, 5001));
       check_problem_on_gpu(p, cache);
     }
+}
+
+namespace {
+/// A cache for p that also keeps bf16 slice sums.
+kv::paged_kv_cache_options bf16_cache_options(const problem& p, std::int64_t max_context) {
+  auto o = cache_options(p, max_context);
+  o.bf16_slice_sums = true;
+  return o;
+}
+SparseAttentionConfig with_bf16_summaries(SparseAttentionConfig c) {
+  c.slice_summary_type = dtype::bf16;
+  return c;
+}
+}  // namespace
+
+TEST_CASE("decode selection on bf16 slice summaries matches the reference", "[gpu][select]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  mr::device_pool_resource device;
+  SECTION("the standard preset's config, lengths and edge cases") {
+    const SparseAttentionConfig cfg = preset_registry{}.get(preset_id::standard_bf16_summaries);
+    REQUIRE(cfg.slice_summary_type == dtype::bf16);
+    const std::vector<std::int64_t> lengths{1, 300, 575, 576, 1600, 5000, 33 * 1024 + 17, 100003};
+    const problem p = make_problem({32, 8, 128}, cfg, lengths, seed);
+    kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, bf16_cache_options(p, 100003));
+    check_problem_on_gpu(p, cache);
+    // The cache's bf16 sums are its fp32 sums rounded to nearest even, bit
+    // for bit, complete slices and the partial last one alike.
+    for (int b = 0; b < static_cast<int>(lengths.size()); ++b) {
+      std::vector<float> sums, blocks;
+      std::vector<__nv_bfloat16> rounded;
+      std::int32_t len = 0;
+      cache.download_summaries(b, 0, sums, blocks, len);
+      cache.download_bf16_slice_sums(b, 0, rounded);
+      REQUIRE(rounded.size() == sums.size());
+      for (std::size_t i = 0; i < sums.size(); ++i) {
+        const __nv_bfloat16 want = __float2bfloat16_rn(sums[i]);
+        REQUIRE(std::memcmp(&rounded[i], &want, sizeof(want)) == 0);
+      }
+    }
+  }
+  SECTION("head_dim 64, 128, 256 (2, 4 and 8 bf16 a lane), GQA 1 and 8") {
+    const SparseAttentionConfig small = with_bf16_summaries({64, 128, 16, 3, 4, 1});
+    for (const int group : {1, 8})
+      for (const int dim : {64, 128, 256}) {
+        INFO("group " << group << ", head_dim " << dim);
+        const problem p = make_problem({2 * group, 2, dim}, small, {1, 70, 129, 700, 2047, 5001}, seed + group * dim);
+        kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, bf16_cache_options(p, 5001));
+        check_problem_on_gpu(p, cache);
+      }
+  }
+  SECTION("planted ties (exact in bf16) go to the lower index") {
+    const SparseAttentionConfig c = with_bf16_summaries({512, 1024, 64, 3, 5, 1});
+    const problem p = make_problem({4, 2, 64}, c, {10 * 1024 + 17, 40000}, 9, /*constant_keys=*/true);
+    kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, bf16_cache_options(p, 40000));
+    check_problem_on_gpu(p, cache, /*exact=*/true);
+  }
+}
+
+TEST_CASE("decode selection on bf16 slice summaries needs a cache that keeps them", "[gpu][select]") {
+  HISPARSE_REQUIRE_GPU();
+  mr::device_pool_resource device;
+  const SparseAttentionConfig cfg = with_bf16_summaries({});
+  const problem p = make_problem({32, 8, 128}, cfg, {5000}, 3);
+  kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, cache_options(p, 5000));
+  select::decode_selection_arguments<__nv_bfloat16> a;
+  int dummy_slot = 0;
+  a.queries = reinterpret_cast<const __nv_bfloat16*>(&dummy_slot);  // never read: the check fails first
+  a.slots = &dummy_slot;
+  a.batch = 1;
+  a.num_q_heads = 32;
+  a.set_cache(cache.ref());
+  REQUIRE(a.slice_sums_bf16 == nullptr);
+  const status st = select::can_implement_decode_selection(cfg, a);
+  CHECK(st == status::invalid_argument);
+  CHECK_THAT(last_error(), Catch::Contains("bf16_slice_sums"));
+  a.slice_sums_bf16 = reinterpret_cast<const __nv_bfloat16*>(a.slice_sums);
+  CHECK(select::can_implement_decode_selection(cfg, a) == status::success);
+  // And a cache cannot promise bf16 sums it would never write.
+  auto o = cache_options(p, 5000);
+  o.bf16_slice_sums = true;
+  o.maintain_summaries = false;
+  using cache_t = kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource>;
+  CHECK_THROWS_WITH(cache_t(device, o), Catch::Contains("bf16_slice_sums needs maintain_summaries"));
 }
 
 TEST_CASE("decode selection of keys that share a large mean", "[gpu][select]") {

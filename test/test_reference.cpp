@@ -103,6 +103,49 @@ TEST_CASE("decode matches brute force on random inputs", "[reference]") {
   }
 }
 
+TEST_CASE("decode on bf16 slice summaries matches brute force, and only its fine stage differs", "[reference]") {
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  SparseAttentionConfig c = small_config();
+  c.slice_summary_type = dtype::bf16;
+  SparseAttentionConfig fp32 = c;
+  fp32.slice_summary_type = dtype::fp32;
+  const attention_shape shape{4, 2, 64};
+  int differ = 0;
+  for (const std::int64_t len : {700, 1031, 2049, 4100}) {
+    INFO("length " << len);
+    // Keys with a shared offset: the sums' low bits, which bf16 drops, then
+    // decide between close slices.
+    random_sequence<float> s(shape, len, len - 1, 1, seed + len);
+    for (auto& k : s.keys) k += 3.0f;
+    const auto r = reference::decode(c, shape, s.view());
+    check_against_brute_force(s, c, r, 1);
+    const auto plain = reference::decode(fp32, shape, s.view());
+    for (int h = 0; h < shape.num_kv_heads; ++h) {
+      REQUIRE(r.tiles[0].blocks[h].kept == plain.tiles[0].blocks[h].kept);
+      differ += r.tiles[0].slices[h].kept != plain.tiles[0].slices[h].kept ? 1 : 0;
+    }
+  }
+  INFO("selections that differ from fp32's: " << differ);
+}
+
+TEST_CASE("bf16 slice summaries tie what fp32 tells apart, and the tie goes to the lower index", "[reference]") {
+  SparseAttentionConfig c{64, 128, 16, 3, 1, 8};
+  const attention_shape shape{2, 1, 64};
+  random_sequence<float> s(shape, 700, 699, 1, 5);  // ws = 624: 39 far slices, 5 blocks
+  for (auto& q : s.queries) q = 1.0f;
+  for (std::int64_t t = 0; t < 624; ++t)
+    for (int d = 0; d < 64; ++d) {
+      const std::int64_t slice = t / 16;
+      // Slice 2: keys 1, sum 16. Slice 10: keys 1 + 2^-10, sum 16 + 2^-6,
+      // exact in fp32 and 16 in bf16 (8 significant bits). Others 0.
+      s.key(t, 0, d) = slice == 2 ? 1.0f : slice == 10 ? 1.0f + 0x1.0p-10f : 0.0f;
+    }
+  CHECK(reference::decode(c, shape, s.view()).tiles[0].slices[0].kept == std::vector<std::int32_t>{10});
+  c.slice_summary_type = dtype::bf16;
+  CHECK(reference::decode(c, shape, s.view()).tiles[0].slices[0].kept == std::vector<std::int32_t>{2});
+}
+
 TEST_CASE("prefill matches brute force with max-over-tile pooling", "[reference]") {
   const std::uint64_t seed = fresh_seed();
   INFO("seed " << seed);

@@ -96,10 +96,13 @@ template <class T>
 std::pair<std::vector<int>, std::vector<int>> brute_select(const random_sequence<T>& s,
                                                            const SparseAttentionConfig& c,
                                                            std::int64_t p0, std::int64_t p1, int h) {
+  // Slices score their key sum rounded to fp32 and then bf16, over F, under
+  // slice_summary_type = bf16 (decode: p1 == p0 + 1).
+  const bool bf16_fine = c.slice_summary_type == dtype::bf16;
   const int dim = s.shape.head_dim, group = s.shape.group_size();
   std::int64_t ws = p0 - c.window + 1;
   ws = ws <= 0 ? 0 : (ws / c.fine_slice) * c.fine_slice;
-  auto score_of_range = [&](std::int64_t a, std::int64_t b) {  // mean key of [a, b)
+  auto score_of_range = [&](std::int64_t a, std::int64_t b, bool rounded = false) {  // mean key of [a, b)
     double best = -std::numeric_limits<double>::infinity();
     for (std::int64_t p = p0; p < p1; ++p) {
       double total = 0;
@@ -108,6 +111,7 @@ std::pair<std::vector<int>, std::vector<int>> brute_select(const random_sequence
           double mean = 0;
           for (std::int64_t t = a; t < b; ++t)
             mean += to_double(s.keys[static_cast<std::size_t>((t * s.shape.num_kv_heads + h) * dim + d)]);
+          if (rounded) mean = to_double(from_float<__nv_bfloat16>(static_cast<float>(mean)));
           mean /= static_cast<double>(b - a);
           total += to_double(s.queries[static_cast<std::size_t>(((p - s.q_begin) * s.shape.num_q_heads + h * group + g) * dim + d)]) * mean;
         }
@@ -130,7 +134,7 @@ std::pair<std::vector<int>, std::vector<int>> brute_select(const random_sequence
   for (const int b : kept_blocks)
     for (std::int64_t sl = std::int64_t{b} * c.coarse_block / c.fine_slice;
          sl < (std::int64_t{b} + 1) * c.coarse_block / c.fine_slice && (sl + 1) * c.fine_slice <= ws; ++sl)
-      slices.push_back({score_of_range(sl * c.fine_slice, (sl + 1) * c.fine_slice), static_cast<int>(sl)});
+      slices.push_back({score_of_range(sl * c.fine_slice, (sl + 1) * c.fine_slice, bf16_fine), static_cast<int>(sl)});
   return {kept_blocks, top(slices, c.top_k_fine)};
 }
 

@@ -46,6 +46,7 @@ enum class config_error : std::uint8_t {
   top_k_fine_must_not_exceed_slices_of_kept_blocks,
   query_tile_must_be_in_1_to_kMaxQueryTile,
   score_type_must_be_fp32_or_wider,
+  slice_summary_type_must_be_fp32_or_bf16,
   num_q_heads_must_be_in_1_to_kMaxHeads,
   num_kv_heads_must_be_in_1_to_kMaxHeads,
   num_q_heads_must_be_a_multiple_of_num_kv_heads,
@@ -80,6 +81,8 @@ struct config_error_info {
     case config_error::score_type_must_be_fp32_or_wider:
       return {"score_type",
               "must be fp32 or fp64 (half-precision scores flip the top-k boundary)"};
+    case config_error::slice_summary_type_must_be_fp32_or_bf16:
+      return {"slice_summary_type", "must be fp32 or bf16"};
     case config_error::num_q_heads_must_be_in_1_to_kMaxHeads:
       return {"num_q_heads", "must be in [1, 1024]"};
     case config_error::num_kv_heads_must_be_in_1_to_kMaxHeads:
@@ -104,6 +107,13 @@ struct SparseAttentionConfig {
   int top_k_fine = 16;      ///< slices kept per (query tile, KV head)
   int query_tile = 64;      ///< M: prefill queries sharing one selection (decode uses 1)
   dtype score_type = dtype::fp32;  ///< precision of block/slice scores and their sort
+  /// Storage of the slice summaries the decode fine filter reads. fp32 is
+  /// DESIGN.md section 1's contract. bf16 is a policy: each slice's fp32 key
+  /// sum rounded to bf16 (round to nearest even) by the cache as it is
+  /// stored, then scored in fp32 as before; the fine stage reads half the
+  /// bytes (the decode step's bandwidth-bound phase). Blocks, and prefill
+  /// selection (compute-bound), always use the fp32 sums.
+  dtype slice_summary_type = dtype::fp32;
 
   [[nodiscard]] constexpr config_error validate() const noexcept {
     if (window < 1 || window > kMaxWindow) return config_error::window_must_be_in_1_to_kMaxWindow;
@@ -122,6 +132,8 @@ struct SparseAttentionConfig {
       return config_error::query_tile_must_be_in_1_to_kMaxQueryTile;
     if (score_type != dtype::fp32 && score_type != dtype::fp64)
       return config_error::score_type_must_be_fp32_or_wider;
+    if (slice_summary_type != dtype::fp32 && slice_summary_type != dtype::bf16)
+      return config_error::slice_summary_type_must_be_fp32_or_bf16;
     return config_error::none;
   }
 
@@ -164,7 +176,8 @@ inline std::string field_values(const SparseAttentionConfig& c) {
          " top_k_coarse=" + std::to_string(c.top_k_coarse) +
          " top_k_fine=" + std::to_string(c.top_k_fine) +
          " query_tile=" + std::to_string(c.query_tile) +
-         " score_type=" + std::string(name_of(c.score_type));
+         " score_type=" + std::string(name_of(c.score_type)) +
+         " slice_summary_type=" + std::string(name_of(c.slice_summary_type));
 }
 inline std::string field_values(const attention_shape& s) {
   return "num_q_heads=" + std::to_string(s.num_q_heads) +
@@ -220,6 +233,7 @@ enum class preset_id : std::uint8_t {
   standard = 0,      ///< the field's defaults: 512 / 1024 / 64 / 32 / 16
   high_recall = 1,   ///< twice the kept slices for retrieval-heavy prompts
   short_context = 2, ///< smaller blocks for contexts of 8K-32K tokens
+  standard_bf16_summaries = 3,  ///< standard, the decode fine filter on bf16 slice summaries
   first_user_id = 128,  ///< ids from here on are free for an engine's own presets
 };
 
@@ -233,11 +247,16 @@ struct preset {
 /// DESIGN.md section 1 (about 1.5K tokens attended per query); `high_recall`
 /// keeps 64 blocks / 32 slices (about 2.5K tokens) for workloads whose far
 /// attention is spread over more needles; `short_context` halves the block
-/// and slice so short prompts still have enough candidates to choose from.
+/// and slice so short prompts still have enough candidates to choose from;
+/// `standard_bf16_summaries` is `standard` with the decode fine filter on
+/// bf16 slice summaries (half its bytes; a cache built with
+/// `bf16_slice_sums` serves it).
 inline constexpr preset kBuiltinPresets[] = {
     {preset_id::standard, "standard", SparseAttentionConfig{}},
     {preset_id::high_recall, "high_recall", SparseAttentionConfig{512, 1024, 64, 64, 32, 64}},
     {preset_id::short_context, "short_context", SparseAttentionConfig{256, 512, 32, 32, 16, 64}},
+    {preset_id::standard_bf16_summaries, "standard_bf16_summaries",
+     SparseAttentionConfig{512, 1024, 64, 32, 16, 64, dtype::fp32, dtype::bf16}},
 };
 
 static_assert([] {

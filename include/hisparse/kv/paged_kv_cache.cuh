@@ -44,6 +44,10 @@ struct paged_kv_cache_options {
   std::size_t max_pool_bytes = SIZE_MAX;           ///< cap on page memory
   std::int64_t reserve_pages = 0;                  ///< pages to carve up front
   bool maintain_summaries = true;  ///< off only for dense-only use, or to measure their cost
+  /// Also keep every slice sum rounded to bf16 (round to nearest even), for
+  /// configs with slice_summary_type = bf16 (the decode fine filter then
+  /// reads half the bytes). Costs half the fp32 slice sums' memory again.
+  bool bf16_slice_sums = false;
 };
 
 /// A run of new tokens for one sequence: rows [row, row + count) of the
@@ -85,6 +89,7 @@ template <class T>
 struct append_batch {
   T** page_table;
   float* slice_sums;
+  __nv_bfloat16* slice_sums_bf16;  ///< null unless the cache keeps them
   float* block_sums;
   float* block_bases;  ///< per block: ordered sum of its complete slices' sums
   std::int32_t* lengths;
@@ -230,6 +235,7 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_con
     float sum = old_sum[i];
     for (int j = 0; j < rows_per_pass; ++j) sum += partial[j * D + d];
     slice_sum[d] = sum;
+    if (b.slice_sums_bf16 != nullptr) b.slice_sums_bf16[(table * b.kv_heads + h) * D + d] = __float2bfloat16_rn(sum);
     if (sole_cta) {
       block_sum[d] = base[i] + sum;
       if (slice_complete) block_base[d] = base[i] + sum;
@@ -287,6 +293,8 @@ class paged_kv_cache {
     table_bytes_ = static_cast<std::size_t>(seq_layers * max_slices_) * sizeof(T*);
     slice_bytes_ = static_cast<std::size_t>(seq_layers * max_slices_ * vec) * sizeof(float);
     block_bytes_ = static_cast<std::size_t>(seq_layers * max_blocks_ * vec) * sizeof(float);
+    slice_bf16_bytes_ =
+        opt_.bf16_slice_sums ? static_cast<std::size_t>(seq_layers * max_slices_ * vec) * sizeof(__nv_bfloat16) : 0;
     length_bytes_ = static_cast<std::size_t>(seq_layers) * sizeof(std::int32_t);
     counter_bytes_ = static_cast<std::size_t>(std::int64_t{opt_.max_sequences} * max_blocks_ * opt_.num_kv_heads) *
                      sizeof(unsigned);
@@ -297,6 +305,8 @@ class paged_kv_cache {
     try {
       page_table_ = static_cast<T**>(resource_->allocate(table_bytes_, stream_));
       slice_sums_ = static_cast<float*>(resource_->allocate(slice_bytes_, stream_));
+      if (opt_.bf16_slice_sums)
+        slice_sums_bf16_ = static_cast<__nv_bfloat16*>(resource_->allocate(slice_bf16_bytes_, stream_));
       block_sums_ = static_cast<float*>(resource_->allocate(block_bytes_, stream_));
       block_bases_ = static_cast<float*>(resource_->allocate(block_bytes_, stream_));
       lengths_ = static_cast<std::int32_t*>(resource_->allocate(length_bytes_, stream_));
@@ -431,6 +441,7 @@ class paged_kv_cache {
     detail::append_batch<T> batch{};
     batch.page_table = page_table_;
     batch.slice_sums = slice_sums_;
+    batch.slice_sums_bf16 = opt_.maintain_summaries ? slice_sums_bf16_ : nullptr;
     batch.block_sums = block_sums_;
     batch.block_bases = block_bases_;
     batch.lengths = lengths_;
@@ -510,6 +521,7 @@ class paged_kv_cache {
     paged_kv_ref<T> r;
     r.page_table = page_table_;
     r.slice_sums = slice_sums_;
+    r.slice_sums_bf16 = slice_sums_bf16_;
     r.block_sums = block_sums_;
     r.lengths = lengths_;
     r.layers = opt_.num_layers;
@@ -565,6 +577,21 @@ class paged_kv_cache {
                                    cudaMemcpyDeviceToHost));
   }
 
+  /// The bf16 slice sums of one (sequence, layer), [ceil(length/F)][kv_heads]
+  /// [head_dim]; throws unless the cache keeps them (bf16_slice_sums).
+  void download_bf16_slice_sums(int slot, int layer, std::vector<__nv_bfloat16>& sums) const {
+    if (slice_sums_bf16_ == nullptr)
+      throw error(status::invalid_argument, "download_bf16_slice_sums: the cache keeps no bf16 slice sums");
+    const std::int64_t len = length(slot, layer);
+    const std::int64_t vec = std::int64_t{opt_.num_kv_heads} * opt_.head_dim;
+    const std::int64_t slices = (len + opt_.fine_slice - 1) / opt_.fine_slice;
+    const std::int64_t seq_layer = std::int64_t{slot} * opt_.num_layers + layer;
+    HISPARSE_CUDA_CHECK(cudaEventSynchronize(last_launch_));
+    sums.resize(static_cast<std::size_t>(slices * vec));
+    HISPARSE_CUDA_CHECK(cudaMemcpy(sums.data(), slice_sums_bf16_ + seq_layer * max_slices_ * vec,
+                                   sums.size() * sizeof(__nv_bfloat16), cudaMemcpyDeviceToHost));
+  }
+
  private:
   struct slot_state {
     bool active = false;
@@ -583,6 +610,7 @@ class paged_kv_cache {
       bad("coarse_block must be a multiple of fine_slice");
     if (o.max_sequences < 1 || o.max_sequences > 4096) bad("max_sequences must be in [1, 4096]");
     if (o.max_context < 1 || o.max_context > kMaxContext) bad("max_context must be in [1, 2^30]");
+    if (o.bf16_slice_sums && !o.maintain_summaries) bad("bf16_slice_sums needs maintain_summaries");
     return o;
   }
 
@@ -619,6 +647,7 @@ class paged_kv_cache {
     };
     give(page_table_, table_bytes_);
     give(slice_sums_, slice_bytes_);
+    give(slice_sums_bf16_, slice_bf16_bytes_);
     give(block_sums_, block_bytes_);
     give(block_bases_, block_bytes_);
     give(lengths_, length_bytes_);
@@ -634,10 +663,11 @@ class paged_kv_cache {
   cudaStream_t stream_ = nullptr;
   cudaEvent_t last_launch_ = nullptr;
   std::int32_t max_slices_ = 0, max_blocks_ = 0;
-  std::size_t table_bytes_ = 0, slice_bytes_ = 0, block_bytes_ = 0, length_bytes_ = 0, counter_bytes_ = 0,
+  std::size_t table_bytes_ = 0, slice_bytes_ = 0, slice_bf16_bytes_ = 0, block_bytes_ = 0, length_bytes_ = 0, counter_bytes_ = 0,
               scratch_bytes_ = 0, pages_offset_ = 0;
   T** page_table_ = nullptr;
   float* slice_sums_ = nullptr;
+  __nv_bfloat16* slice_sums_bf16_ = nullptr;
   float* block_sums_ = nullptr;
   float* block_bases_ = nullptr;
   std::int32_t* lengths_ = nullptr;

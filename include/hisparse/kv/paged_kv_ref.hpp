@@ -19,7 +19,11 @@
 //    [sequence][layer][block][kv_head][head_dim]. A block sum is always the
 //    ordered sum of its slices' sums (never a running sum), so it is
 //    deterministic and independent of how tokens were appended. Means follow
-//    by dividing by the token count, which the length gives.
+//    by dividing by the token count, which the length gives. On request the
+//    cache also keeps each slice sum rounded to bf16, for selection policies
+//    that read those instead (half the bytes).
+
+#include <cuda_bf16.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -32,6 +36,9 @@ template <class T>
 struct paged_kv_ref {
   T* const* page_table = nullptr;      ///< [max_sequences][layers][max_slices]
   const float* slice_sums = nullptr;   ///< [max_sequences][layers][max_slices][kv_heads][head_dim]
+  /// The same rounded to bf16 (round to nearest even); null unless the cache
+  /// keeps them (paged_kv_cache_options::bf16_slice_sums).
+  const __nv_bfloat16* slice_sums_bf16 = nullptr;
   const float* block_sums = nullptr;   ///< [max_sequences][layers][max_blocks][kv_heads][head_dim]
   const std::int32_t* lengths = nullptr;  ///< [max_sequences][layers], tokens stored
   int layers = 0;

@@ -212,9 +212,13 @@ std::vector<double> query_row(const sequence<T>& seq, std::int64_t i, int h, int
 
 /// Per-slice mean keys of the complete slices below `limit` tokens:
 /// [num_slices][Hkv][D], with num_slices = limit / F. Step 3's summaries.
+/// With `storage` = bf16, the means a decode fine filter scores under
+/// `slice_summary_type = bf16`: each sum rounded to fp32 and then to bf16
+/// (round to nearest even, as the cache stores it), over F.
 template <class T>
 [[nodiscard]] std::vector<double> slice_means(const tensor_view<const T, 3>& keys,
-                                              const SparseAttentionConfig& c, std::int64_t limit) {
+                                              const SparseAttentionConfig& c, std::int64_t limit,
+                                              dtype storage = dtype::fp32) {
   const std::int64_t hkv = keys.extent(1), dim = keys.extent(2);
   const std::int64_t num_slices = std::min(limit, keys.extent(0)) / c.fine_slice;
   std::vector<double> means(static_cast<std::size_t>(num_slices * hkv * dim), 0.0);
@@ -223,16 +227,23 @@ template <class T>
       double* m = &means[static_cast<std::size_t>((s * hkv + h) * dim)];
       for (std::int64_t t = s * c.fine_slice; t < (s + 1) * c.fine_slice; ++t)
         for (std::int64_t d = 0; d < dim; ++d) m[d] += to_double(keys(t, h, d));
-      for (std::int64_t d = 0; d < dim; ++d) m[d] /= c.fine_slice;
+      for (std::int64_t d = 0; d < dim; ++d) {
+        if (storage == dtype::bf16) m[d] = to_double(from_float<__nv_bfloat16>(static_cast<float>(m[d])));
+        m[d] /= c.fine_slice;
+      }
     }
   return means;
 }
 
 /// Hierarchical sparse attention of `seq`'s queries, in query tiles of
-/// `query_tile` positions (1 for decode). Throws hisparse::error on bad input.
+/// `query_tile` positions (1 for decode). `fine_summaries` is the storage of
+/// the slice summaries step 5 scores: fp32 (DESIGN.md section 1; prefill
+/// always) or bf16 (a decode config's slice_summary_type; slice_means).
+/// Throws hisparse::error on bad input.
 template <class T>
 [[nodiscard]] result sparse_attention(const SparseAttentionConfig& c, const attention_shape& s,
-                                      const sequence<T>& seq, int query_tile) {
+                                      const sequence<T>& seq, int query_tile,
+                                      dtype fine_summaries = dtype::fp32) {
   if (query_tile < 1 || query_tile > kMaxQueryTile)
     throw error(status::invalid_argument, "query_tile must be in [1, 256]");
   detail::check_sequence(c, s, seq, query_tile);
@@ -240,6 +251,11 @@ template <class T>
   const std::int64_t n = seq.num_queries();
   const std::int64_t last_tile = tile_begin(seq.q_begin + n - 1, query_tile);
   const std::vector<double> smeans = slice_means(seq.keys, c, window_begin(last_tile, c));
+  if (fine_summaries != dtype::fp32 && fine_summaries != dtype::bf16)
+    throw error(status::invalid_argument, "fine_summaries must be fp32 or bf16");
+  const std::vector<double> fine_means = fine_summaries == dtype::bf16
+                                             ? slice_means(seq.keys, c, window_begin(last_tile, c), dtype::bf16)
+                                             : std::vector<double>{};
   const int spb = c.slices_per_block();
 
   result r;
@@ -282,6 +298,10 @@ template <class T>
       auto slice_mean = [&](std::int64_t sl) {
         return &smeans[static_cast<std::size_t>((sl * hkv + h) * dim)];
       };
+      auto fine_mean = [&](std::int64_t sl) {
+        return fine_summaries == dtype::bf16 ? &fine_means[static_cast<std::size_t>((sl * hkv + h) * dim)]
+                                             : slice_mean(sl);
+      };
 
       // Step 4: coarse filter over blocks with bC < ws, summaries over their far part.
       std::vector<double> bscore;
@@ -304,7 +324,7 @@ template <class T>
       for (const std::int32_t b : tile.blocks.back().kept)
         for (std::int64_t sl = std::int64_t{b} * spb;
              sl < std::min<std::int64_t>((std::int64_t{b} + 1) * spb, far_slices); ++sl) {
-          sscore.push_back(tile_score(slice_mean(sl)));
+          sscore.push_back(tile_score(fine_mean(sl)));
           sid.push_back(static_cast<std::int32_t>(sl));
         }
       tile.slices.push_back(select_top_k(sscore, sid, c.top_k_fine));
@@ -337,14 +357,15 @@ template <class T>
   return sparse_attention(c, s, seq, c.query_tile);
 }
 
-/// Decode: one query at the last cached position, a tile of one.
+/// Decode: one query at the last cached position, a tile of one; the fine
+/// filter scores the slice summaries the config's slice_summary_type names.
 template <class T>
 [[nodiscard]] result decode(const SparseAttentionConfig& c, const attention_shape& s,
                             const sequence<T>& seq) {
   if (seq.num_queries() != 1 || seq.q_begin != seq.length() - 1)
     throw error(status::invalid_argument,
                 "decode takes one query at the last cached position (length - 1)");
-  return sparse_attention(c, s, seq, 1);
+  return sparse_attention(c, s, seq, 1, c.slice_summary_type);
 }
 
 /// Decode for a batch of sequences (possibly of different lengths). The

@@ -65,6 +65,7 @@ class sparse_attention_op {
     for (const auto& [id, name] : reg.list()) {
       const SparseAttentionConfig& cfg = reg.get(id);
       if (cfg.fine_slice != in.cache.fine_slice || cfg.coarse_block != in.cache.coarse_block) continue;
+      if (cfg.slice_summary_type == dtype::bf16 && in.cache.slice_sums_bf16 == nullptr) continue;
       hierarchical_decode<T, Tile> op(cfg);
       std::size_t b = 0;  // covers every batch up to max_batch
       HISPARSE_TRY(op.workspace_bytes(probe_arguments(in, in.max_batch), b));
@@ -99,7 +100,7 @@ class sparse_attention_op {
     const auto it = ops_.find(f.preset);
     if (it == ops_.end())
       return fail(status::invalid_argument, "sparse_attention_op: preset " + std::to_string(static_cast<int>(f.preset)) +
-                                                " is unknown or does not match the cache's slice/block sizes");
+                                                " is unknown, or the cache cannot serve it (slice/block sizes, bf16 slice sums)");
     if (f.batch < 1 || f.batch > init_.max_batch)
       return fail(status::invalid_argument, "sparse_attention_op: batch " + std::to_string(f.batch) +
                                                 " outside [1, " + std::to_string(init_.max_batch) + "]");

@@ -14,12 +14,16 @@
 // Scores are fp32 (a dot product of fp32 sums, one warp per candidate row,
 // 16-byte loads, several rows in flight per lane); the paged cache's sums are
 // the only KV data read, so the step reads ~0.4 MB per (sequence, KV head)
-// at 256K tokens.
+// at 256K tokens. With config.slice_summary_type = bf16, step 4 reads the
+// cache's bf16-rounded slice sums instead (widened exactly, scored in fp32 the
+// same way): half its bytes, which are the bandwidth-bound part of a decode
+// step (PERF_NOTES, decode step).
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include <cub/block/block_scan.cuh>
 #include <cuda_runtime_api.h>
@@ -53,6 +57,9 @@ struct decode_selection_output {
 /// selection arguments extend it.
 struct cache_summaries {
   const float* slice_sums = nullptr;
+  /// The slice sums rounded to bf16, which a config with slice_summary_type
+  /// = bf16 has the decode fine stage read; null where the cache keeps none.
+  const __nv_bfloat16* slice_sums_bf16 = nullptr;
   const float* block_sums = nullptr;
   const std::int32_t* lengths = nullptr;
   int layers = 0, kv_heads = 0, head_dim = 0, fine_slice = 0, coarse_block = 0;
@@ -61,6 +68,7 @@ struct cache_summaries {
   template <class T>
   void set_cache(const kv::paged_kv_ref<T>& r) {
     slice_sums = r.slice_sums;
+    slice_sums_bf16 = r.slice_sums_bf16;
     block_sums = r.block_sums;
     lengths = r.lengths;
     layers = r.layers;
@@ -212,6 +220,53 @@ __device__ __forceinline__ void load_lane(const float* row, float (&v)[kPer]) {
   }
 }
 
+/// What a lane loads of a row of E for kPer elements: the floats
+/// themselves, or the bf16 pairs as 32-bit words, widened only when they
+/// are used (a widening beside each load would make every load of a batch
+/// wait for the one before it).
+template <class E, int kPer>
+struct lane_words {
+  using type = float;
+  static constexpr int kCount = kPer;
+};
+template <int kPer>
+struct lane_words<__nv_bfloat16, kPer> {
+  using type = unsigned;
+  static constexpr int kCount = kPer / 2;
+};
+
+/// Loads this lane's kPer consecutive bf16 of a row as kPer / 2 words.
+template <int kPer>
+__device__ __forceinline__ void load_lane(const __nv_bfloat16* row, unsigned (&w)[kPer / 2]) {
+  if constexpr (kPer == 2) {
+    w[0] = __ldg(reinterpret_cast<const unsigned*>(row));
+  } else if constexpr (kPer == 4) {
+    const uint2 x = __ldg(reinterpret_cast<const uint2*>(row));
+    w[0] = x.x, w[1] = x.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < kPer / 2; i += 4) {
+      const uint4 x = __ldg(reinterpret_cast<const uint4*>(row + 2 * i));
+      w[i] = x.x, w[i + 1] = x.y, w[i + 2] = x.z, w[i + 3] = x.w;
+    }
+  }
+}
+
+/// The loaded words as floats: a copy, or bf16 pairs widened exactly.
+template <int kPer>
+__device__ __forceinline__ void widen(const float (&w)[kPer], float (&v)[kPer]) {
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) v[i] = w[i];
+}
+template <int kPer>
+__device__ __forceinline__ void widen(const unsigned (&w)[kPer / 2], float (&v)[kPer]) {
+#pragma unroll
+  for (int i = 0; i < kPer / 2; ++i) {
+    v[2 * i] = __uint_as_float(w[i] << 16);
+    v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
 /// This thread's warp among the cluster's S * kSelectWarps.
 template <int S>
 __device__ __forceinline__ int cluster_warp() {
@@ -276,16 +331,19 @@ __device__ __forceinline__ void load_q(const float* qsum, float (&q)[kPer]) {
 }
 
 /// One warp's batch of candidate rows in registers: rows base + u * kStride
-/// (u < kRows) of [0, count), this lane's kPer floats of each -- 128 bytes
-/// of loads in flight per lane. `row(r)` is row r's key sum (D floats).
-template <int D, int S>
+/// (u < kRows) of [0, count), this lane's kPer elements of each, widened to
+/// float -- 128 bytes of loads in flight per lane (64 for bf16 rows).
+/// `row(r)` is row r's key sum (D elements of E: float, or bf16).
+template <int D, int S, class E = float>
 struct row_batch {
-  static constexpr int kPer = D / 32;  // floats per lane: 2, 4 or 8
+  static constexpr int kPer = D / 32;  // elements per lane: 2, 4 or 8
   static constexpr int kRows = 32 / kPer;
   static constexpr int kStride = S * kSelectWarps;
-  static constexpr int kLines = D * 4 / 128;  // 128-byte lines per row
-  static_assert(kRows * kLines == 32, "a batch is one line per lane");
-  float v[kRows][kPer];
+  static constexpr int kLines = D * static_cast<int>(sizeof(E)) / 128;  // 128-byte lines per row
+  static constexpr int kLineElems = 128 / static_cast<int>(sizeof(E));
+  static_assert(kLines >= 1 && kRows * kLines <= 32, "a batch is at most one line per lane");
+  using words = lane_words<E, kPer>;
+  typename words::type v[kRows][words::kCount];
 
   /// Sends the batch's lines towards L2 (one per lane), holding no register:
   /// the load that follows pays an L2 hit instead of the trip to HBM.
@@ -294,8 +352,9 @@ struct row_batch {
   template <class RowOfSlot>
   __device__ __forceinline__ static void prefetch(int base, int count, RowOfSlot row_of_slot) {
     const int lane = threadIdx.x & 31;
-    const float* p = row_of_slot(lane / kLines);
-    if (base + lane / kLines * kStride < count) ptx::prefetch_l2(p + lane % kLines * 32);
+    const E* p = row_of_slot(lane / kLines);
+    if (lane < kRows * kLines && base + lane / kLines * kStride < count)
+      ptx::prefetch_l2(p + lane % kLines * kLineElems);
   }
 
   /// Loads rows base + u * kStride (< count); `row_of_slot(u)` points at
@@ -317,7 +376,11 @@ struct row_batch {
     const int lane = threadIdx.x & 31;
     float part[kRows];
 #pragma unroll
-    for (int u = 0; u < kRows; ++u) part[u] = base + u * kStride < count ? lane_dot(q, v[u]) : 0.0f;
+    for (int u = 0; u < kRows; ++u) {
+      float x[kPer];
+      widen<kPer>(v[u], x);
+      part[u] = base + u * kStride < count ? lane_dot(q, x) : 0.0f;
+    }
     const float s = warp_sum_rows(part);  // lane l: row l / kPer of the batch
     const int r = base + lane / kPer * kStride;
     if (lane % kPer == 0 && r < count) store(r, s * scale);
@@ -334,10 +397,10 @@ struct row_batch {
 /// successor is prefetched into L2 while the batch is loaded, so their trips
 /// overlap. `batch_end(j)` runs in every lane after batch j of this warp, for
 /// each of the ceil(count / step) batches, empty ones included.
-template <int D, int S, class Index, class Row, class Store, class BatchEnd>
+template <int D, int S, class E = float, class Index, class Row, class Store, class BatchEnd>
 __device__ __forceinline__ void score_rows(int count, const float* qsum, Index index, Row row, float scale,
                                            Store store, BatchEnd batch_end) {
-  using batch_t = row_batch<D, S>;
+  using batch_t = row_batch<D, S, E>;
   constexpr int kStep = batch_t::kStride * batch_t::kRows;
   const int lane = threadIdx.x & 31;
   float q[batch_t::kPer];
@@ -856,7 +919,9 @@ __device__ __forceinline__ void warp_rank_place(const topk_key* survivors, int n
 /// writes the outputs. Wide: the kernel that can
 /// rank more than kFilterMaxCandidates candidates or keep more than
 /// kFilterMaxK (block_topk); the narrow one ranks by the filter alone.
-template <class Q, int D, int S, bool Wide>
+/// SumT: the fine stage's rows, float (the contract) or bf16 (the cache's
+/// rounded copies, config.slice_summary_type = bf16).
+template <class Q, int D, int S, bool Wide, class SumT>
 __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_selection_kernel(const __grid_constant__ decode_params<Q> p) {
   using cluster = cluster_ops<S>;
   constexpr int kMaxCandidates = Wide ? kMaxSelectCandidates : kFilterMaxCandidates;
@@ -913,7 +978,8 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   if (rank == 0 && h == 0 && t == 0) p.out.window_begin[b] = ws;
 
   const std::int64_t head_stride = std::int64_t{in.kv_heads} * D;
-  const float* slice_base = in.slice_sums + (seq_layer * in.max_slices * in.kv_heads + h) * D;
+  const std::int64_t slice_offset = (seq_layer * in.max_slices * in.kv_heads + h) * D;
+  const float* slice_base = in.slice_sums + slice_offset;
   const float* block_base = in.block_sums + (seq_layer * in.max_blocks * in.kv_heads + h) * D;
   // Step 4's candidate blocks: whole blocks use their stored sum; the block
   // holding ws (if it is partial) is scored by the sum of its far slices'
@@ -1000,8 +1066,14 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
                          p.top_k_fine <= kFilterMaxK && fine_groups >= 2 * p.top_k_fine &&
                          fine_groups <= kSelectThreads;
   topk_key batch_max = kNoCandidate;
-  score_rows<D, S>(
-      candidates, qsum, slice_of, [&](int sl) { return slice_base + sl * head_stride; },
+  const SumT* fine_base;
+  if constexpr (std::is_same_v<SumT, float>) {
+    fine_base = slice_base;
+  } else {
+    fine_base = in.slice_sums_bf16 + slice_offset;
+  }
+  score_rows<D, S, SumT>(
+      candidates, qsum, slice_of, [&](int sl) { return fine_base + sl * head_stride; },
       1.0f / static_cast<float>(F),
       [&](int c, float s) {
         cluster::peer(fine_scores, 0u)[c] = s;
@@ -1109,8 +1181,13 @@ inline selection_smem plan_selection_smem(const SparseAttentionConfig& cfg, std:
 }
 
 template <class Q, int D, int S>
-status launch_selection(const decode_params<Q>& p, bool wide, int kv_heads, int batch, cudaStream_t stream) {
-  auto* kernel = wide ? &decode_selection_kernel<Q, D, S, true> : &decode_selection_kernel<Q, D, S, false>;
+status launch_selection(const decode_params<Q>& p, bool wide, bool bf16_rows, int kv_heads, int batch,
+                        cudaStream_t stream) {
+  using bf16 = __nv_bfloat16;
+  auto* kernel = bf16_rows ? (wide ? &decode_selection_kernel<Q, D, S, true, bf16>
+                                   : &decode_selection_kernel<Q, D, S, false, bf16>)
+                           : (wide ? &decode_selection_kernel<Q, D, S, true, float>
+                                   : &decode_selection_kernel<Q, D, S, false, float>);
   // Every launch (a cheap host call): the static shared memory counts toward
   // the 48 KB default too, so "dynamic > 48 KB" is not the test.
   HISPARSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p.smem.bytes));
@@ -1138,18 +1215,19 @@ status launch_selection(const decode_params<Q>& p, bool wide, int kv_heads, int 
 }
 
 template <class Q, int D>
-status launch_selection(const decode_params<Q>& p, bool wide, int kv_heads, int batch, cudaStream_t stream) {
-  if (!p.in.use_clusters) return launch_selection<Q, D, 1>(p, wide, kv_heads, batch, stream);
+status launch_selection(const decode_params<Q>& p, bool wide, bool bf16_rows, int kv_heads, int batch,
+                        cudaStream_t stream) {
+  if (!p.in.use_clusters) return launch_selection<Q, D, 1>(p, wide, bf16_rows, kv_heads, batch, stream);
   // Clusters where the loaded build is sm_90 or newer (a build without sm_90
   // code runs the single-CTA kernel on an H100). The narrow and wide kernels
   // are built for the same architectures.
   static hisparse::detail::per_device_flag built;
   const bool clusters = built.get([] {
-    void (*kernel)(decode_params<Q>) = &decode_selection_kernel<Q, D, kSelectCluster, false>;
+    void (*kernel)(decode_params<Q>) = &decode_selection_kernel<Q, D, kSelectCluster, false, float>;
     return hisparse::detail::kernel_built_for_sm90(reinterpret_cast<const void*>(kernel));
   });
-  return clusters ? launch_selection<Q, D, kSelectCluster>(p, wide, kv_heads, batch, stream)
-                  : launch_selection<Q, D, 1>(p, wide, kv_heads, batch, stream);
+  return clusters ? launch_selection<Q, D, kSelectCluster>(p, wide, bf16_rows, kv_heads, batch, stream)
+                  : launch_selection<Q, D, 1>(p, wide, bf16_rows, kv_heads, batch, stream);
 }
 
 /// The checks decode and prefill selection share: the layer, and that the
@@ -1189,6 +1267,9 @@ template <class Q>
   using launch = typename decode_selection_arguments<Q>::dependents_launch;
   if (static_cast<unsigned>(a.dependents) > static_cast<unsigned>(launch::after_fine_scores))
     return bad("dependents is not one of at_start, after_blocks, after_fine_scores");
+  if (cfg.slice_summary_type == dtype::bf16 && a.slice_sums_bf16 == nullptr)
+    return bad("the config's slice_summary_type is bf16 and the cache keeps no bf16 slice sums "
+               "(paged_kv_cache_options::bf16_slice_sums)");
   return detail::check_summaries(cfg, a, a.layer, "decode");
 }
 
@@ -1215,10 +1296,11 @@ template <class Q>
   smem.partial = smem.bytes;
   smem.bytes += detail::kPartialBytes;
   const detail::decode_params<Q> p{a, out, cfg.window, cfg.top_k_coarse, cfg.top_k_fine, smem};
+  const bool bf16_rows = cfg.slice_summary_type == dtype::bf16;
   switch (a.head_dim) {
-    case 64: return detail::launch_selection<Q, 64>(p, wide, a.kv_heads, a.batch, stream);
-    case 128: return detail::launch_selection<Q, 128>(p, wide, a.kv_heads, a.batch, stream);
-    default: return detail::launch_selection<Q, 256>(p, wide, a.kv_heads, a.batch, stream);
+    case 64: return detail::launch_selection<Q, 64>(p, wide, bf16_rows, a.kv_heads, a.batch, stream);
+    case 128: return detail::launch_selection<Q, 128>(p, wide, bf16_rows, a.kv_heads, a.batch, stream);
+    default: return detail::launch_selection<Q, 256>(p, wide, bf16_rows, a.kv_heads, a.batch, stream);
   }
 }
 
