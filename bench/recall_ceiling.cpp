@@ -13,7 +13,11 @@
 //   tokens     the most massive N tokens of each query head, N = what the
 //              selection attends: the ceiling of any selection of N tokens.
 //
-//   recall_ceiling [--contexts 32768,131072,262144] [--batch 8] [--seed 2026] [--preset standard]
+// --misses also lists, per request and KV head, the far slices of the best
+// choice the selection missed that hold more group mass than ten times the
+// least it kept, with the workload's needle tokens in each.
+//
+//   recall_ceiling [--contexts 32768,131072,262144] [--batch 8] [--seed 2026] [--preset standard] [--misses]
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -34,6 +38,7 @@ struct options {
   int batch = 8;
   std::uint64_t seed = 2026;  // hisparse_demo's default
   std::string preset = "standard";
+  bool misses = false;
 };
 
 options parse(int argc, char** argv) {
@@ -55,8 +60,11 @@ options parse(int argc, char** argv) {
       o.seed = std::stoull(argv[++i]);
     } else if (arg == "--preset" && has_value) {
       o.preset = argv[++i];
+    } else if (arg == "--misses") {
+      o.misses = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--contexts 32768,262144] [--batch N] [--seed N] [--preset NAME]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--contexts 32768,262144] [--batch N] [--seed N] [--preset NAME] [--misses]\n",
+                   argv[0]);
       std::exit(arg == "--help" ? 0 : 2);
     }
   }
@@ -71,7 +79,7 @@ struct recalls {
 /// Adds one request's (query position T - 1) recalls, every KV head.
 void add_request(const hisparse::SparseAttentionConfig& cfg, const hisparse::attention_shape& shape,
                  const hisparse::workload::synthetic_workload<__nv_bfloat16>& w, const std::vector<float>& keys,
-                 int request, recalls& r) {
+                 int request, bool misses, recalls& r) {
   using namespace hisparse;
   const std::int64_t T = w.options.context;
   const int hq = shape.num_q_heads, hkv = shape.num_kv_heads, dim = shape.head_dim, group = shape.group_size();
@@ -114,6 +122,21 @@ void add_request(const hisparse::SparseAttentionConfig& cfg, const hisparse::att
     double kept_mass = 0, best_mass = 0;
     for (const auto s : kept) kept_mass += slice_mass[static_cast<std::size_t>(s)];
     for (std::size_t i = 0; i < k; ++i) best_mass += best[i];
+    if (misses && !kept.empty()) {
+      double least = HUGE_VAL;
+      for (const auto s : kept) least = std::min(least, slice_mass[static_cast<std::size_t>(s)]);
+      for (std::int64_t s = 0; s < far_slices; ++s) {
+        const double m = slice_mass[static_cast<std::size_t>(s)];
+        if (m <= 10 * least || std::find(kept.begin(), kept.end(), s) != kept.end()) continue;
+        int needle_tokens = 0;
+        for (const std::int64_t begin : w.needle_begin[static_cast<std::size_t>(h)])
+          for (std::int64_t t = begin; t < begin + w.options.needle_span; ++t) needle_tokens += t / F == s ? 1 : 0;
+        std::printf("  T %lld request %d KV head %d: missed slice %lld, mass %.5f a head (%d needle tokens); "
+                    "least kept %.6f\n",
+                    static_cast<long long>(T), request, h, static_cast<long long>(s), m / group, needle_tokens,
+                    least / group);
+      }
+    }
     const std::int64_t attended = (T - ws) + static_cast<std::int64_t>(kept.size()) * F;
     for (const auto& m : mass) {
       const double window = std::accumulate(m.begin() + ws, m.end(), 0.0);
@@ -150,7 +173,7 @@ int main(int argc, char** argv) try {
     std::vector<float> keys(w.keys.size());
     for (std::size_t i = 0; i < keys.size(); ++i) keys[i] = to_float(w.keys[i]);
     recalls r;
-    for (int b = 0; b < opt.batch; ++b) add_request(cfg, shape, w, keys, b, r);
+    for (int b = 0; b < opt.batch; ++b) add_request(cfg, shape, w, keys, b, opt.misses, r);
     std::printf("%9lld %12.4f %22.4f %22.4f\n", static_cast<long long>(ctx), r.selection / r.rows,
                 r.slices / r.rows, r.tokens / r.rows);
   }
