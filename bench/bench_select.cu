@@ -34,6 +34,7 @@ kv::paged_kv_cache_options cache_options(int batch, std::int32_t context) {
   o.head_dim = kDim;
   o.max_sequences = batch;
   o.max_context = context;
+  o.bf16_slice_sums = true;  // for BM_decode_selection_bf16_sums; unread by fp32 configs
   return o;
 }
 
@@ -64,16 +65,15 @@ std::vector<std::int32_t> fill_cache(cache_type& cache, int batch, std::int32_t 
   return slots;
 }
 
-void BM_decode_selection(benchmark::State& state) {
+void decode_selection(benchmark::State& state, const SparseAttentionConfig& cfg, float key_mean) {
   const int batch = static_cast<int>(state.range(0));
   const auto context = static_cast<std::int32_t>(state.range(1));
-  const auto key_mean = static_cast<float>(state.range(2));
-  const SparseAttentionConfig cfg;
   // Bytes a selection must read: every candidate block's sum, the kept
-  // blocks' slice sums, the queries.
+  // blocks' slice sums (fp32, or bf16), the queries.
   const double blocks = context / 1024.0;
-  const double bytes =
-      batch * kKvHeads * (blocks + cfg.top_k_coarse * 16.0) * kDim * 4.0 + batch * kQHeads * kDim * 2.0;
+  const double slice_bytes = cfg.slice_summary_type == dtype::bf16 ? 2.0 : 4.0;
+  const double bytes = batch * kKvHeads * (blocks * 4.0 + cfg.top_k_coarse * 16.0 * slice_bytes) * kDim +
+                       batch * kQHeads * kDim * 2.0;
   // `copies` batches of sequences, launch i reads batch i % copies: every
   // launch reads HBM, as one layer of a decode step does (a cache of 4 KB of
   // K/V per token per sequence, summaries aside).
@@ -126,6 +126,15 @@ void BM_decode_selection(benchmark::State& state) {
   state.counters["MB_read"] = bytes * 1e-6;
   state.counters["GBps"] = bytes / t_replay * 1e-9;
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+void BM_decode_selection(benchmark::State& state) {
+  decode_selection(state, SparseAttentionConfig{}, static_cast<float>(state.range(2)));
+}
+
+/// The same with the fine stage on bf16 slice summaries.
+void BM_decode_selection_bf16_sums(benchmark::State& state) {
+  decode_selection(state, preset_registry{}.get(preset_id::standard_bf16_summaries), 0.0f);
 }
 
 /// Prefill selection of a whole prompt of T tokens (every position a query,
@@ -206,5 +215,8 @@ BENCHMARK(BM_prefill_selection)->ArgNames({"T", "scoring", "stages"})
 // fine scores with a spread under 1% of their common offset (~360 +- 3).
 BENCHMARK(BM_decode_selection)->ArgNames({"B", "T", "key_mean"})
     ->ArgsProduct({{1, 8, 32}, {32768, 131072, 262144}, {0}})->Args({8, 262144, 16})->UseManualTime()->Iterations(100)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_decode_selection_bf16_sums)->ArgNames({"B", "T"})
+    ->ArgsProduct({{1, 8, 32}, {32768, 131072, 262144}})->UseManualTime()->Iterations(100)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK_MAIN();
