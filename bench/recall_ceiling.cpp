@@ -13,8 +13,8 @@
 //   tokens     the most massive N tokens of each query head, N = what the
 //              selection attends: the ceiling of any selection of N tokens.
 //
-// --misses also lists, per request and KV head, the far slices of the best
-// choice the selection missed that hold more group mass than ten times the
+// --misses also lists, per request and KV head, every far slice the
+// selection left out that holds more than ten times the group mass of the
 // least it kept, with the workload's needle tokens in each.
 //
 //   recall_ceiling [--contexts 32768,131072,262144] [--batch 8] [--seed 2026] [--preset standard] [--misses]
@@ -91,7 +91,8 @@ void add_request(const hisparse::SparseAttentionConfig& cfg, const hisparse::att
   const auto sparse = reference::decode(cfg, shape, seq);
   const std::int64_t ws = sparse.tiles[0].window_begin, far_slices = ws / F;
   const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
-  std::vector<std::vector<double>> mass(static_cast<std::size_t>(group), std::vector<double>(static_cast<std::size_t>(T)));
+  std::vector<std::vector<double>> mass(static_cast<std::size_t>(group),
+                                        std::vector<double>(static_cast<std::size_t>(T)));
   for (int h = 0; h < hkv; ++h) {
     for (int g = 0; g < group; ++g) {
       std::vector<double> q(static_cast<std::size_t>(dim));

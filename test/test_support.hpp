@@ -95,10 +95,11 @@ void brute_attend(const random_sequence<T>& s, std::int64_t i, int qh,
 template <class T>
 std::pair<std::vector<int>, std::vector<int>> brute_select(const random_sequence<T>& s,
                                                            const SparseAttentionConfig& c,
-                                                           std::int64_t p0, std::int64_t p1, int h) {
-  // Slices score their key sum rounded to fp32 and then bf16, over F, under
-  // slice_summary_type = bf16 (decode: p1 == p0 + 1).
-  const bool bf16_fine = c.slice_summary_type == dtype::bf16;
+                                                           std::int64_t p0, std::int64_t p1, int h,
+                                                           dtype fine_summaries = dtype::fp32) {
+  // bf16 (a decode config's slice_summary_type): slices score their key sum
+  // rounded to fp32 and then bf16, over F. Prefill always scores fp32.
+  const bool bf16_fine = fine_summaries == dtype::bf16;
   const int dim = s.shape.head_dim, group = s.shape.group_size();
   std::int64_t ws = p0 - c.window + 1;
   ws = ws <= 0 ? 0 : (ws / c.fine_slice) * c.fine_slice;

@@ -663,8 +663,8 @@ class paged_kv_cache {
   cudaStream_t stream_ = nullptr;
   cudaEvent_t last_launch_ = nullptr;
   std::int32_t max_slices_ = 0, max_blocks_ = 0;
-  std::size_t table_bytes_ = 0, slice_bytes_ = 0, slice_bf16_bytes_ = 0, block_bytes_ = 0, length_bytes_ = 0, counter_bytes_ = 0,
-              scratch_bytes_ = 0, pages_offset_ = 0;
+  std::size_t table_bytes_ = 0, slice_bytes_ = 0, slice_bf16_bytes_ = 0, block_bytes_ = 0, length_bytes_ = 0,
+              counter_bytes_ = 0, scratch_bytes_ = 0, pages_offset_ = 0;
   T** page_table_ = nullptr;
   float* slice_sums_ = nullptr;
   __nv_bfloat16* slice_sums_bf16_ = nullptr;

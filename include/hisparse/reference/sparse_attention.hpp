@@ -213,8 +213,10 @@ std::vector<double> query_row(const sequence<T>& seq, std::int64_t i, int h, int
 /// Per-slice mean keys of the complete slices below `limit` tokens:
 /// [num_slices][Hkv][D], with num_slices = limit / F. Step 3's summaries.
 /// With `storage` = bf16, the means a decode fine filter scores under
-/// `slice_summary_type = bf16`: each sum rounded to fp32 and then to bf16
-/// (round to nearest even, as the cache stores it), over F.
+/// `slice_summary_type = bf16`: each exact sum rounded to fp32 and then to
+/// bf16 (round to nearest even), over F. The cache rounds its own fp32 sum,
+/// which can differ from the exact one's fp32 rounding in the last bits, so
+/// a sum near a bf16 rounding boundary can land one bf16 ulp apart.
 template <class T>
 [[nodiscard]] std::vector<double> slice_means(const tensor_view<const T, 3>& keys,
                                               const SparseAttentionConfig& c, std::int64_t limit,

@@ -341,7 +341,8 @@ struct row_batch {
   static constexpr int kStride = S * kSelectWarps;
   static constexpr int kLines = D * static_cast<int>(sizeof(E)) / 128;  // 128-byte lines per row
   static constexpr int kLineElems = 128 / static_cast<int>(sizeof(E));
-  static_assert(kLines >= 1 && kRows * kLines <= 32, "a batch is at most one line per lane");
+  static_assert(kRows * kLines == 32 * static_cast<int>(sizeof(E)) / 4,
+                "a batch is one 128-byte line per lane (fp32) or per two lanes (bf16)");
   using words = lane_words<E, kPer>;
   typename words::type v[kRows][words::kCount];
 
@@ -1058,7 +1059,7 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   // maximum key of each of its batches (group j * S * kSelectWarps + warp),
   // so the ranking starts at its threshold (top_k_of_groups); otherwise
   // mark_top_k finds its own.
-  using batch_t = row_batch<D, S>;
+  using batch_t = row_batch<D, S, SumT>;
   constexpr int kFineStep = batch_t::kStride * batch_t::kRows;
   const int fine_groups = (candidates + kFineStep - 1) / kFineStep * (S * kSelectWarps);
   const bool by_warp = fits_warp_rank(candidates, p.top_k_fine);
