@@ -441,7 +441,7 @@ class paged_kv_cache {
     detail::append_batch<T> batch{};
     batch.page_table = page_table_;
     batch.slice_sums = slice_sums_;
-    batch.slice_sums_bf16 = opt_.maintain_summaries ? slice_sums_bf16_ : nullptr;
+    batch.slice_sums_bf16 = slice_sums_bf16_;  // null without summaries (validated)
     batch.block_sums = block_sums_;
     batch.block_bases = block_bases_;
     batch.lengths = lengths_;

@@ -255,9 +255,10 @@ template <class T>
   const std::vector<double> smeans = slice_means(seq.keys, c, window_begin(last_tile, c));
   if (fine_summaries != dtype::fp32 && fine_summaries != dtype::bf16)
     throw error(status::invalid_argument, "fine_summaries must be fp32 or bf16");
-  const std::vector<double> fine_means = fine_summaries == dtype::bf16
+  const std::vector<double> bf16_means = fine_summaries == dtype::bf16
                                              ? slice_means(seq.keys, c, window_begin(last_tile, c), dtype::bf16)
                                              : std::vector<double>{};
+  const std::vector<double>& fine_means = fine_summaries == dtype::bf16 ? bf16_means : smeans;
   const int spb = c.slices_per_block();
 
   result r;
@@ -300,10 +301,7 @@ template <class T>
       auto slice_mean = [&](std::int64_t sl) {
         return &smeans[static_cast<std::size_t>((sl * hkv + h) * dim)];
       };
-      auto fine_mean = [&](std::int64_t sl) {
-        return fine_summaries == dtype::bf16 ? &fine_means[static_cast<std::size_t>((sl * hkv + h) * dim)]
-                                             : slice_mean(sl);
-      };
+      auto fine_mean = [&](std::int64_t sl) { return &fine_means[static_cast<std::size_t>((sl * hkv + h) * dim)]; };
 
       // Step 4: coarse filter over blocks with bC < ws, summaries over their far part.
       std::vector<double> bscore;
