@@ -6,6 +6,10 @@
 // tile is refused by the host layout and reported (-1) by the kernel.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
 #include <vector>
 
 #include "gpu_problem.hpp"
@@ -96,13 +100,23 @@ prefill_run run_prefill(const test::problem<bf16>& p, const std::vector<std::int
   return run;
 }
 
-/// Checks each tile of a run against the reference.
-void check_prefill(const test::problem<bf16>& p, const std::vector<std::int32_t>& n, std::uint64_t seed,
-                   scoring how = {}) {
+/// "{a, b, ...}" for a failure message.
+std::string ids(const std::vector<std::int32_t>& v) {
+  std::string s = "{";
+  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "}";
+}
+
+/// Checks each tile of a run against the reference; returns the reference's
+/// kept slices per (tile, KV head), in the run's tile order.
+std::vector<std::vector<std::int32_t>> check_prefill(const test::problem<bf16>& p, const std::vector<std::int32_t>& n,
+                                                     std::uint64_t seed, scoring how = {}) {
   const prefill_run run = run_prefill(p, n, seed, how);
   const int B = static_cast<int>(p.lengths.size()), Hq = p.shape.num_q_heads, Hkv = p.shape.num_kv_heads;
-  const int D = p.shape.head_dim, M = p.cfg.query_tile, kf = p.cfg.top_k_fine;
+  const int D = p.shape.head_dim, M = p.cfg.query_tile, kf = p.cfg.top_k_fine, kc = p.cfg.top_k_coarse;
   int equal = 0, total = 0;
+  std::vector<std::vector<std::int32_t>> reference_kept(run.num.size());
+  std::string first_mismatch;
   for (int b = 0; b < B; ++b) {
     const auto& s = run.segs[static_cast<std::size_t>(b)];
     auto seq = p.sequence(b);
@@ -122,14 +136,26 @@ void check_prefill(const test::problem<bf16>& p, const std::vector<std::int32_t>
         std::vector<std::int32_t> got(run.kept.begin() + at * kf, run.kept.begin() + at * kf + count);
         for (int i = count; i < kf; ++i) REQUIRE(run.kept[at * kf + i] == -1);
         REQUIRE(std::is_sorted(got.begin(), got.end()));
-        equal += got == r.tiles[t].slices[h].kept ? 1 : 0;
+        // The kept blocks too: ascending, then -1.
+        std::vector<std::int32_t> want_blocks = r.tiles[t].blocks[static_cast<std::size_t>(h)].kept;
+        want_blocks.resize(static_cast<std::size_t>(kc), -1);
+        const bool blocks_equal = std::equal(want_blocks.begin(), want_blocks.end(), run.blocks.begin() + at * kc);
+        const bool same = got == r.tiles[t].slices[h].kept && blocks_equal;
+        if (!same && first_mismatch.empty())
+          first_mismatch = "sequence " + std::to_string(b) + ", tile at " + std::to_string(r.tiles[t].begin) +
+                           ", KV head " + std::to_string(h) + ": slices " + ids(got) + " against " +
+                           ids(r.tiles[t].slices[h].kept) + (blocks_equal ? "" : "; the blocks differ");
+        equal += same ? 1 : 0;
         ++total;
+        reference_kept[at] = r.tiles[t].slices[h].kept;
       }
     }
   }
   // Random normal inputs: a near-tie at a boundary is rare, not impossible.
-  UNSCOPED_INFO(equal << " of " << total << " (tile, KV head) selections equal the reference's");
+  UNSCOPED_INFO(equal << " of " << total << " (tile, KV head) selections (blocks and slices) equal the reference's");
+  if (!first_mismatch.empty()) UNSCOPED_INFO("first difference: " << first_mismatch);
   REQUIRE(equal >= total - 1);
+  return reference_kept;
 }
 
 /// The two-pass scoring keeps exactly what the one-pass 3xTF32 scoring
@@ -162,6 +188,19 @@ test::problem<bf16> repeated_slices(test::problem<bf16> p, int period, float ste
     }
   }
   return p;
+}
+
+/// Writes `value` into key dimension `dim` of token `token` of sequence b,
+/// every KV head; with `whole_slice`, into every dimension of every key of
+/// the token's slice.
+void poison_keys(test::problem<bf16>& p, std::size_t b, std::int64_t token, int dim, float value,
+                 bool whole_slice = false) {
+  const int H = p.shape.num_kv_heads, D = p.shape.head_dim, F = p.cfg.fine_slice;
+  const std::int64_t first = whole_slice ? token / F * F : token, last = whole_slice ? first + F : token + 1;
+  for (std::int64_t t = first; t < last; ++t)
+    for (int h = 0; h < H; ++h)
+      for (int d = whole_slice ? 0 : dim; d < (whole_slice ? D : dim + 1); ++d)
+        p.keys[b][static_cast<std::size_t>((t * H + h) * D + d)] = from_float<bf16>(value);
 }
 
 }  // namespace
@@ -270,4 +309,39 @@ TEST_CASE("a prefill segment off a tile boundary is reported by the kernel",
   HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
   for (const auto c : num.download()) REQUIRE(c == -1);
   for (const auto s : kept.download()) REQUIRE(s == -1);
+}
+
+TEST_CASE("prefill selection ranks NaN scores last and infinite ones as numbers", "[gpu][select][prefill]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  // 19 blocks (all kept: the fine stage ranks ~300 slices in two passes,
+  // whose plain scores are not finite), 68 (a one-pass coarse stage) and 146
+  // (a two-pass coarse stage). In every sequence: slice 5 all NaN; slice 40
+  // +inf and slice 100 -inf in one dimension (either scores +inf against a
+  // tile whose queries take both signs there); block 10 a +inf slice and a
+  // -inf slice (its mean NaN); slice 200 one NaN. The reference ranks NaN
+  // below everything and infinities as numbers; 3xTF32 alone would turn the
+  // infinities into NaN (inf - inf in the split, 0 * inf in the cross
+  // products).
+  auto p = test::make_problem<bf16>({8, 2, 128}, SparseAttentionConfig{}, {20000, 70000, 150000}, seed);
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  const int F = p.cfg.fine_slice;
+  for (std::size_t b = 0; b < p.lengths.size(); ++b) {
+    poison_keys(p, b, 5 * F, 0, nan, /*whole_slice=*/true);
+    poison_keys(p, b, 40 * F, 0, inf);
+    poison_keys(p, b, 100 * F + 7, 3, -inf);
+    poison_keys(p, b, 161 * F + 1, 1, inf);
+    poison_keys(p, b, 162 * F + 2, 1, -inf);
+    poison_keys(p, b, 200 * F + 9, 5, nan);
+  }
+  const std::vector<std::int32_t> n{130, 130, 130};
+  for (const scoring how : {scoring{true, true, 1}, scoring{true, false, 2}, scoring{false, false, 2}}) {
+    INFO((how.tensor_cores ? (how.two_pass ? "plain tf32 then 3xTF32" : "3xTF32") : "fp32 CUDA cores"));
+    const auto kept = check_prefill(p, n, seed + 1, how);
+    // The test tests something: the reference keeps the infinite slices.
+    int infinite = 0;
+    for (const auto& k : kept) infinite += static_cast<int>(std::count(k.begin(), k.end(), 40) + std::count(k.begin(), k.end(), 100));
+    CHECK(infinite > 0);
+  }
 }

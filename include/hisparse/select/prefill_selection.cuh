@@ -201,6 +201,25 @@ HISPARSE_HOST_DEVICE constexpr int prefill_fragment_offset(int i, int d) {
   return ((i / 16 * (D / 8) + s) * 32 + lane) * 4 + dl % 2 * 2 + i % 16 / 8;
 }
 
+/// max over queries i < valid of qs[i] . row in fp32 FMA, NaN if any dot
+/// product is NaN, by one warp (lane takes queries lane, lane + 32); qs in
+/// the tensor cores' fragment order, row global or shared. The rare path of
+/// a 3xTF32 score that came out NaN.
+template <int D>
+__device__ __noinline__ float rescore_fp32(const float* qs, const float* row, int valid, int lane) {
+  float best = -__int_as_float(0x7f800000);
+#pragma unroll 1
+  for (int i = lane; i < valid; i += 32) {
+    float dot = 0.0f;
+#pragma unroll 1
+    for (int d = 0; d < D; ++d) dot = fmaf(qs[prefill_fragment_offset<D>(i, d)], row[d], dot);
+    best = max_nan(best, dot);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) best = max_nan(best, __shfl_xor_sync(0xFFFFFFFFu, best, off));
+  return best;
+}
+
 /// How score_candidates computes the products: fp32 FMA on the CUDA cores;
 /// split tf32 on the tensor cores (3xTF32, ~fp32 accuracy); or plain tf32
 /// (operands cut to 10 mantissa bits, error bounded by bound_tf32_delta),
@@ -213,8 +232,10 @@ __device__ __forceinline__ float4 lds4(const float* p) { return *reinterpret_cas
 /// Scores `count` candidates against the tile's `valid` summed queries (qs,
 /// one row per query): scores[c] = scale_of(c) * max_i qs[i] . row(c), where
 /// row_of(c) is candidate c's D-float key sum: a global row, or `partial` (in
-/// shared memory, copied rather than streamed). A NaN product makes the score
-/// NaN (the reference's rule); masked query rows never count.
+/// shared memory, copied rather than streamed). Non-finite values score as
+/// the reference scores them, in every mode: NaN for a NaN product or
+/// infinite products of both signs, +-inf for infinite products of one
+/// sign; masked query rows never count.
 ///
 /// Rounds of 64 candidates go through `stages` ring buffers: round r + 1 is
 /// in flight (cp.async, 4 threads a row, each 16-byte pieces q, q + 4, ...,
@@ -380,11 +401,28 @@ __device__ void score_candidates(int count, int valid, int stages, const float* 
       }
     }
     __syncthreads();  // red is complete; this round's buffer is free for round r + stages
-    if (t < kN && r * kN + t < count) {
+    if (t < kN) {  // warps 0 and 1, whole
+      const int c = r * kN + t;
       float best = -__int_as_float(0x7f800000);
 #pragma unroll
       for (int g = 0; g < kGroups; ++g) best = max_nan(best, red[g * kN + t]);
-      scores[r * kN + t] = best * scale_of(r * kN + t);  // NaN stays NaN
+      if (c < count) scores[c] = best * scale_of(c);  // NaN stays NaN
+      if constexpr (Mode == prefill_scoring::split_tf32) {
+        // 3xTF32 turns an infinite operand into NaN (inf - inf in its split,
+        // 0 * inf in the cross products) where the contract's score is +-inf.
+        // A NaN score is rare (non-finite keys or queries), so the warp
+        // recomputes it in fp32 FMA, which gives the contract's value (+-inf,
+        // or NaN where that is what it is). From the candidate's own row,
+        // not the ring, which the other warps may already be refilling.
+        unsigned redo = __ballot_sync(0xFFFFFFFFu, c < count && isnan(best));
+        while (redo) {  // warp-uniform
+          const int src = static_cast<int>(__ffs(redo)) - 1;
+          redo &= redo - 1;
+          const int cand = r * kN + (t & ~31) + src;
+          best = rescore_fp32<D>(qs, row_of(cand), valid, t & 31);
+          if ((t & 31) == src) scores[cand] = best * scale_of(cand);
+        }
+      }
     }
   }
   __syncthreads();
