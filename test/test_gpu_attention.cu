@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "gpu_problem.hpp"
@@ -98,12 +99,15 @@ struct step_output {
 
 /// Checks a GPU output against fp64 attention over the given selection (or
 /// every token when `kept` is empty): the FlashAttention rule per head, and
-/// the log-sum-exp within fp32 accumulation.
+/// the log-sum-exp within fp32 accumulation. Where the fp64 output is NaN
+/// (non-finite keys or values) the GPU's must be NaN, and its LSE non-finite
+/// where the fp64 one is; returns the heads with a NaN.
 template <class T>
-void check_against_fp64(const test::problem<T>& p, const step_output& g, bool dense) {
+int check_against_fp64(const test::problem<T>& p, const step_output& g, bool dense) {
   const int B = static_cast<int>(p.lengths.size()), Hq = p.shape.num_q_heads, Hkv = p.shape.num_kv_heads;
   const int D = p.shape.head_dim, G = p.shape.group_size(), F = p.cfg.fine_slice, kf = p.cfg.top_k_fine;
   double worst = 0, worst_naive = 0;
+  int nan_heads = 0;
   for (int b = 0; b < B; ++b) {
     const std::int64_t len = p.lengths[static_cast<std::size_t>(b)];
     for (int h = 0; h < Hkv; ++h) {
@@ -120,23 +124,36 @@ void check_against_fp64(const test::problem<T>& p, const step_output& g, bool de
         std::vector<double> ref, naive;
         double lse = 0;
         attend(p, b, qh, pos, ref, naive, lse);
+        const std::size_t row = static_cast<std::size_t>(b) * Hq + qh;
+        // Non-finite inputs: NaN exactly where fp64 gives NaN (a NaN value
+        // reaches its dimension, a NaN or +inf logit every dimension).
+        bool nan_head = false;
         double err = 0, err_naive = 0;
         for (int d = 0; d < D; ++d) {
-          const double o = g.out[(static_cast<std::size_t>(b) * Hq + qh) * D + d];
+          const double o = g.out[row * D + static_cast<std::size_t>(d)];
+          if (std::isnan(ref[d])) {
+            INFO("batch row " << b << ", query head " << qh << ", dimension " << d << ": NaN in fp64");
+            REQUIRE(std::isnan(o));
+            nan_head = true;
+            continue;
+          }
           REQUIRE(std::isfinite(o));
           err = std::max(err, std::abs(o - ref[d]));
           err_naive = std::max(err_naive, std::abs(naive[d] - ref[d]));
         }
+        nan_heads += nan_head ? 1 : 0;
         INFO("batch row " << b << " (length " << len << "), query head " << qh << ": error " << err
                           << ", naive fp32 error " << err_naive);
         REQUIRE(err <= 2 * err_naive + kAtol);
-        REQUIRE(g.lse[static_cast<std::size_t>(b) * Hq + qh] == Approx(lse).epsilon(1e-5).margin(1e-5));
+        if (std::isfinite(lse)) REQUIRE(g.lse[row] == Approx(lse).epsilon(1e-5).margin(1e-5));
+        else REQUIRE(!std::isfinite(g.lse[row]));
         worst = std::max(worst, err);
         worst_naive = std::max(worst_naive, err_naive);
       }
     }
   }
   UNSCOPED_INFO("worst error " << worst << " (naive fp32 " << worst_naive << ")");
+  return nan_heads;
 }
 
 /// Runs the composed step (selection + attention) on the problem.
@@ -396,6 +413,55 @@ TEST_CASE("sparse decode step at 300K tokens", "[gpu][attention]") {
   const auto g = run_step(p, cache, slots);
   check_against_fp64(p, g, false);
   check_selection_matches_reference(p, g);
+}
+
+TEST_CASE("NaN and infinite keys and values give NaN where fp64 does and exact results elsewhere", "[gpu][attention]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  mr::device_pool_resource device;
+  auto p = test::make_problem<__nv_bfloat16>({8, 2, 128}, SparseAttentionConfig{}, {5000, 5000, 40000}, seed);
+  const int Hkv = 2, D = 128, G = 4;
+  auto key = [&](int b, std::int64_t t, int h, int d) -> auto& {
+    return p.keys[static_cast<std::size_t>(b)][static_cast<std::size_t>((t * Hkv + h) * D + d)];
+  };
+  auto summed_query = [&](int b, int h, int d) {
+    double q = 0;
+    for (int g = 0; g < G; ++g) q += to_double(p.queries[static_cast<std::size_t>((b * 8 + h * G + g) * D + d)]);
+    return q;
+  };
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  // Row 0: a NaN value in the window of KV head 0 (its four heads NaN).
+  p.values[0][static_cast<std::size_t>((4990 * Hkv + 0) * D + 7)] = from_float<__nv_bfloat16>(nan);
+  // Row 1: +inf in one key dimension in the window of KV head 1: +inf logits
+  // (NaN output) for its heads whose query is positive there, -inf (the
+  // token weighs nothing) for the others.
+  key(1, 4800, 1, 3) = from_float<__nv_bfloat16>(inf);
+  // Row 2, KV head 0: an infinite key dimension far back, signed so that
+  // its slice and block score +inf and are kept; KV head 1: a NaN key far
+  // back, whose block (NaN mean) is ranked last and left out.
+  key(2, 20005, 0, 11) = from_float<__nv_bfloat16>(summed_query(2, 0, 11) > 0 ? inf : -inf);
+  key(2, 10000, 1, 5) = from_float<__nv_bfloat16>(nan);
+  kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, test::cache_options(p, 40000));
+  const auto slots = test::fill(p, cache);
+
+  const auto g = run_step(p, cache, slots);
+  check_selection_matches_reference(p, g);
+  const auto kept = [&](int b, int h) {
+    const auto at = static_cast<std::size_t>(b * Hkv + h);
+    return std::vector<std::int32_t>(g.kept.begin() + at * 16, g.kept.begin() + at * 16 + g.num[at]);
+  };
+  const auto row2 = kept(2, 0);
+  CHECK(std::find(row2.begin(), row2.end(), 20005 / 64) != row2.end());  // the +inf slice is kept
+  const auto row2h1 = kept(2, 1);
+  CHECK(std::none_of(row2h1.begin(), row2h1.end(), [](int s) { return s / 16 == 10000 / 1024; }));
+  // Row 0's first group (4 heads), and in row 2's first group at least one
+  // head (the summed query's sign there is some head's).
+  const int sparse_nan = check_against_fp64(p, g, /*dense=*/false);
+  CHECK(sparse_nan >= G + 1);
+  // Dense: the far NaN key reaches KV head 1 of row 2 as well.
+  const int dense_nan = check_against_fp64(p, run_dense(p, cache, slots), /*dense=*/true);
+  CHECK(dense_nan == sparse_nan + G);
 }
 
 TEMPLATE_TEST_CASE("dense decode baseline matches fp64 attention", "[gpu][attention]", __nv_bfloat16, __half) {

@@ -561,19 +561,15 @@ class paged_kv_cache {
   /// [ceil(length/C)][kv_heads][head_dim], and the device's stored length.
   void download_summaries(int slot, int layer, std::vector<float>& slice_sums, std::vector<float>& block_sums,
                           std::int32_t& device_length) const {
-    const std::int64_t len = length(slot, layer);
-    const std::int64_t vec = std::int64_t{opt_.num_kv_heads} * opt_.head_dim;
-    const std::int64_t slices = (len + opt_.fine_slice - 1) / opt_.fine_slice;
-    const std::int64_t blocks = (len + opt_.coarse_block - 1) / opt_.coarse_block;
-    const std::int64_t seq_layer = std::int64_t{slot} * opt_.num_layers + layer;
+    const summary_extent e = extent(slot, layer);
     HISPARSE_CUDA_CHECK(cudaEventSynchronize(last_launch_));
-    slice_sums.resize(static_cast<std::size_t>(slices * vec));
-    block_sums.resize(static_cast<std::size_t>(blocks * vec));
-    HISPARSE_CUDA_CHECK(cudaMemcpy(slice_sums.data(), slice_sums_ + seq_layer * max_slices_ * vec,
+    slice_sums.resize(static_cast<std::size_t>(e.slices * e.vec));
+    block_sums.resize(static_cast<std::size_t>(e.blocks * e.vec));
+    HISPARSE_CUDA_CHECK(cudaMemcpy(slice_sums.data(), slice_sums_ + e.seq_layer * max_slices_ * e.vec,
                                    slice_sums.size() * sizeof(float), cudaMemcpyDeviceToHost));
-    HISPARSE_CUDA_CHECK(cudaMemcpy(block_sums.data(), block_sums_ + seq_layer * max_blocks_ * vec,
+    HISPARSE_CUDA_CHECK(cudaMemcpy(block_sums.data(), block_sums_ + e.seq_layer * max_blocks_ * e.vec,
                                    block_sums.size() * sizeof(float), cudaMemcpyDeviceToHost));
-    HISPARSE_CUDA_CHECK(cudaMemcpy(&device_length, lengths_ + seq_layer, sizeof(std::int32_t),
+    HISPARSE_CUDA_CHECK(cudaMemcpy(&device_length, lengths_ + e.seq_layer, sizeof(std::int32_t),
                                    cudaMemcpyDeviceToHost));
   }
 
@@ -582,17 +578,25 @@ class paged_kv_cache {
   void download_bf16_slice_sums(int slot, int layer, std::vector<__nv_bfloat16>& sums) const {
     if (slice_sums_bf16_ == nullptr)
       throw error(status::invalid_argument, "download_bf16_slice_sums: the cache keeps no bf16 slice sums");
-    const std::int64_t len = length(slot, layer);
-    const std::int64_t vec = std::int64_t{opt_.num_kv_heads} * opt_.head_dim;
-    const std::int64_t slices = (len + opt_.fine_slice - 1) / opt_.fine_slice;
-    const std::int64_t seq_layer = std::int64_t{slot} * opt_.num_layers + layer;
+    const summary_extent e = extent(slot, layer);
     HISPARSE_CUDA_CHECK(cudaEventSynchronize(last_launch_));
-    sums.resize(static_cast<std::size_t>(slices * vec));
-    HISPARSE_CUDA_CHECK(cudaMemcpy(sums.data(), slice_sums_bf16_ + seq_layer * max_slices_ * vec,
+    sums.resize(static_cast<std::size_t>(e.slices * e.vec));
+    HISPARSE_CUDA_CHECK(cudaMemcpy(sums.data(), slice_sums_bf16_ + e.seq_layer * max_slices_ * e.vec,
                                    sums.size() * sizeof(__nv_bfloat16), cudaMemcpyDeviceToHost));
   }
 
  private:
+  /// What a (sequence, layer) holds of summaries: slices and blocks begun,
+  /// floats per slice or block (all heads), and its row in the arrays.
+  struct summary_extent {
+    std::int64_t slices, blocks, vec, seq_layer;
+  };
+  [[nodiscard]] summary_extent extent(int slot, int layer) const {
+    const std::int64_t len = length(slot, layer);
+    return {(len + opt_.fine_slice - 1) / opt_.fine_slice, (len + opt_.coarse_block - 1) / opt_.coarse_block,
+            std::int64_t{opt_.num_kv_heads} * opt_.head_dim, std::int64_t{slot} * opt_.num_layers + layer};
+  }
+
   struct slot_state {
     bool active = false;
     std::int64_t reserved = 0;
