@@ -101,7 +101,7 @@ struct step_output {
 /// every token when `kept` is empty): the FlashAttention rule per head, and
 /// the log-sum-exp within fp32 accumulation. Where the fp64 output is NaN
 /// (non-finite keys or values) the GPU's must be NaN, and its LSE non-finite
-/// where the fp64 one is; returns the heads with a NaN.
+/// where the fp64 one is; returns the number of query heads with a NaN.
 template <class T>
 int check_against_fp64(const test::problem<T>& p, const step_output& g, bool dense) {
   const int B = static_cast<int>(p.lengths.size()), Hq = p.shape.num_q_heads, Hkv = p.shape.num_kv_heads;
@@ -437,26 +437,34 @@ TEST_CASE("NaN and infinite keys and values give NaN where fp64 does and exact r
   // (NaN output) for its heads whose query is positive there, -inf (the
   // token weighs nothing) for the others.
   key(1, 4800, 1, 3) = from_float<__nv_bfloat16>(inf);
-  // Row 2, KV head 0: an infinite key dimension far back, signed so that
-  // its slice and block score +inf and are kept; KV head 1: a NaN key far
-  // back, whose block (NaN mean) is ranked last and left out.
-  key(2, 20005, 0, 11) = from_float<__nv_bfloat16>(summed_query(2, 0, 11) > 0 ? inf : -inf);
+  // Row 2, KV head 0: an infinite key in the dimension of the largest
+  // summed query (never 0, which would make 0 * inf), signed so that its
+  // slice and block score +inf and are kept; KV head 1: a NaN key far back,
+  // whose block (NaN mean) is ranked last and left out.
+  int dim = 0;
+  for (int d = 1; d < D; ++d)
+    if (std::abs(summed_query(2, 0, d)) > std::abs(summed_query(2, 0, dim))) dim = d;
+  REQUIRE(summed_query(2, 0, dim) != 0);
+  key(2, 20005, 0, dim) = from_float<__nv_bfloat16>(summed_query(2, 0, dim) > 0 ? inf : -inf);
   key(2, 10000, 1, 5) = from_float<__nv_bfloat16>(nan);
   kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, test::cache_options(p, 40000));
   const auto slots = test::fill(p, cache);
 
   const auto g = run_step(p, cache, slots);
   check_selection_matches_reference(p, g);
+  const int kf = p.cfg.top_k_fine, F = p.cfg.fine_slice, spb = p.cfg.slices_per_block();
   const auto kept = [&](int b, int h) {
     const auto at = static_cast<std::size_t>(b * Hkv + h);
-    return std::vector<std::int32_t>(g.kept.begin() + at * 16, g.kept.begin() + at * 16 + g.num[at]);
+    return std::vector<std::int32_t>(g.kept.begin() + at * kf, g.kept.begin() + at * kf + g.num[at]);
   };
   const auto row2 = kept(2, 0);
-  CHECK(std::find(row2.begin(), row2.end(), 20005 / 64) != row2.end());  // the +inf slice is kept
+  CHECK(std::find(row2.begin(), row2.end(), 20005 / F) != row2.end());  // the +inf slice is kept
   const auto row2h1 = kept(2, 1);
-  CHECK(std::none_of(row2h1.begin(), row2h1.end(), [](int s) { return s / 16 == 10000 / 1024; }));
+  CHECK(std::none_of(row2h1.begin(), row2h1.end(), [&](int s) { return s / spb == 10000 / p.cfg.coarse_block; }));
   // Row 0's first group (4 heads), and in row 2's first group at least one
-  // head (the summed query's sign there is some head's).
+  // head (the summed query's sign there is some head's). Which of rows 1
+  // and 2's heads come out NaN depends on the query signs; the per-dimension
+  // check above pins each one.
   const int sparse_nan = check_against_fp64(p, g, /*dense=*/false);
   CHECK(sparse_nan >= G + 1);
   // Dense: the far NaN key reaches KV head 1 of row 2 as well.

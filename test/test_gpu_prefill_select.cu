@@ -7,7 +7,6 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <string>
 #include <vector>
@@ -151,7 +150,8 @@ std::vector<std::vector<std::int32_t>> check_prefill(const test::problem<bf16>& 
       }
     }
   }
-  // Random normal inputs: a near-tie at a boundary is rare, not impossible.
+  // Random normal inputs: a near-tie at a boundary (of the blocks or of the
+  // slices) is rare, not impossible.
   UNSCOPED_INFO(equal << " of " << total << " (tile, KV head) selections (blocks and slices) equal the reference's");
   if (!first_mismatch.empty()) UNSCOPED_INFO("first difference: " << first_mismatch);
   REQUIRE(equal >= total - 1);

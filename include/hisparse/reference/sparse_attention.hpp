@@ -9,9 +9,11 @@
 // are widened, never re-rounded), so the only difference between this and a
 // kernel is the kernel's own arithmetic.
 //
-// Non-finite inputs: a NaN score ranks below every number (-inf included),
-// ties among NaNs go to the lower index; a NaN or Inf that reaches the
-// attended set makes that query's output non-finite, as IEEE arithmetic does.
+// Non-finite inputs follow IEEE arithmetic (DESIGN.md section 1): a NaN
+// score ranks below every number (-inf included), ties among NaNs go to the
+// lower index, infinities rank as numbers; the attention's output is NaN in
+// whatever dimensions the formula makes NaN (a NaN value, or a NaN or +inf
+// logit), and a -inf logit weighs nothing.
 
 #include <algorithm>
 #include <cmath>

@@ -416,11 +416,11 @@ __device__ void score_candidates(int count, int valid, int stages, const float* 
         // not the ring, which the other warps may already be refilling.
         unsigned redo = __ballot_sync(0xFFFFFFFFu, c < count && isnan(best));
         while (redo) {  // warp-uniform
-          const int src = static_cast<int>(__ffs(redo)) - 1;
+          const int src = __ffs(static_cast<int>(redo)) - 1;
           redo &= redo - 1;
           const int cand = r * kN + (t & ~31) + src;
-          best = rescore_fp32<D>(qs, row_of(cand), valid, t & 31);
-          if ((t & 31) == src) scores[cand] = best * scale_of(cand);
+          const float exact = rescore_fp32<D>(qs, row_of(cand), valid, t & 31);
+          if ((t & 31) == src) scores[cand] = exact * scale_of(cand);
         }
       }
     }
