@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #include "gpu_problem.hpp"
@@ -470,6 +471,36 @@ TEST_CASE("NaN and infinite keys and values give NaN where fp64 does and exact r
   // Dense: the far NaN key reaches KV head 1 of row 2 as well.
   const int dense_nan = check_against_fp64(p, run_dense(p, cache, slots), /*dense=*/true);
   CHECK(dense_nan == sparse_nan + G);
+}
+
+TEST_CASE("a NaN or an infinite query gives NaN where fp64 does and exact results elsewhere", "[gpu][attention]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  mr::device_pool_resource device;
+  auto p = test::make_problem<__nv_bfloat16>({8, 2, 128}, SparseAttentionConfig{}, {40000, 40000}, seed);
+  const int D = 128;
+  // Row 0, query head 1 (KV head 0): a NaN. Its group's summed query is NaN,
+  // every block and slice scores NaN and the lowest are kept (ties to the
+  // lower index); head 1 comes out NaN, heads 0, 2 and 3 attend those
+  // slices exactly. Row 1, query head 6 (KV head 1): +inf in one dimension.
+  // Slices score +inf where their mean is positive there (the lowest of
+  // those are kept); head 6 meets +inf logits (NaN), heads 4, 5 and 7 are
+  // exact.
+  p.queries[static_cast<std::size_t>((0 * 8 + 1) * D + 5)] =
+      from_float<__nv_bfloat16>(std::numeric_limits<float>::quiet_NaN());
+  p.queries[static_cast<std::size_t>((1 * 8 + 6) * D + 2)] =
+      from_float<__nv_bfloat16>(std::numeric_limits<float>::infinity());
+  kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, test::cache_options(p, 40000));
+  const auto slots = test::fill(p, cache);
+  const auto g = run_step(p, cache, slots);
+  check_selection_matches_reference(p, g);
+  const int kf = p.cfg.top_k_fine;
+  std::vector<std::int32_t> lowest(static_cast<std::size_t>(kf));
+  std::iota(lowest.begin(), lowest.end(), 0);
+  CHECK(std::vector<std::int32_t>(g.kept.begin(), g.kept.begin() + kf) == lowest);  // row 0, KV head 0
+  CHECK(check_against_fp64(p, g, /*dense=*/false) == 2);
+  CHECK(check_against_fp64(p, run_dense(p, cache, slots), /*dense=*/true) == 2);
 }
 
 TEMPLATE_TEST_CASE("dense decode baseline matches fp64 attention", "[gpu][attention]", __nv_bfloat16, __half) {

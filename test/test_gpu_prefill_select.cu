@@ -7,7 +7,9 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <functional>
 #include <limits>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -42,10 +44,16 @@ struct scoring {
   int ring_stages = 2;
 };
 
+/// Changes the queries of a run before they are uploaded: (queries, laid-out
+/// segments), queries [row][q_heads][head_dim] with segment b's rows from
+/// segs[b].query_offset.
+using query_edit = std::function<void(std::vector<bf16>&, const std::vector<select::prefill_segment>&)>;
+
 /// Runs the prefill selection for the last ~n[b] positions of every
-/// sequence of `p` (random queries from `seed`, the same for every scoring).
+/// sequence of `p` (random queries from `seed`, the same for every scoring,
+/// then `edit`).
 prefill_run run_prefill(const test::problem<bf16>& p, const std::vector<std::int32_t>& n, std::uint64_t seed,
-                        scoring how) {
+                        scoring how, const query_edit& edit = {}) {
   mr::device_pool_resource device;
   std::int64_t longest = 1;
   for (const auto len : p.lengths) longest = std::max(longest, len);
@@ -70,6 +78,7 @@ prefill_run run_prefill(const test::problem<bf16>& p, const std::vector<std::int
   }
   int tiles = 0;
   REQUIRE(select::layout_prefill_segments(run.segs.data(), B, M, tiles) == status::success);
+  if (edit) edit(run.queries, run.segs);
   dev<bf16> d_q(run.queries);
   dev<select::prefill_segment> d_segs(run.segs);
   dev<std::int32_t> kept(static_cast<std::size_t>(tiles) * Hkv * kf), num(static_cast<std::size_t>(tiles) * Hkv),
@@ -109,8 +118,9 @@ std::string ids(const std::vector<std::int32_t>& v) {
 /// Checks each tile of a run against the reference; returns the reference's
 /// kept slices per (tile, KV head), in the run's tile order.
 std::vector<std::vector<std::int32_t>> check_prefill(const test::problem<bf16>& p, const std::vector<std::int32_t>& n,
-                                                     std::uint64_t seed, scoring how = {}) {
-  const prefill_run run = run_prefill(p, n, seed, how);
+                                                     std::uint64_t seed, scoring how = {},
+                                                     const query_edit& edit = {}) {
+  const prefill_run run = run_prefill(p, n, seed, how, edit);
   const int B = static_cast<int>(p.lengths.size()), Hq = p.shape.num_q_heads, Hkv = p.shape.num_kv_heads;
   const int D = p.shape.head_dim, M = p.cfg.query_tile, kf = p.cfg.top_k_fine, kc = p.cfg.top_k_coarse;
   int equal = 0, total = 0;
@@ -343,5 +353,36 @@ TEST_CASE("prefill selection ranks NaN scores last and infinite ones as numbers"
     int infinite = 0;
     for (const auto& k : kept) infinite += static_cast<int>(std::count(k.begin(), k.end(), 40) + std::count(k.begin(), k.end(), 100));
     CHECK(infinite > 0);
+  }
+}
+
+TEST_CASE("prefill selection of tiles with a NaN or an infinite query", "[gpu][select][prefill]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  // Sequence 0's second tile has a NaN in one query: every score of its
+  // first KV head is NaN (the max over queries), so the lowest blocks and
+  // slices are kept (ties to the lower index). Sequence 1's first tile has
+  // +inf in one query dimension of its second KV head: scores +inf where the
+  // summary is positive there, the other queries' maximum elsewhere.
+  const auto p = test::make_problem<bf16>({8, 2, 128}, SparseAttentionConfig{}, {20000, 70000}, seed);
+  const int Hq = p.shape.num_q_heads, D = p.shape.head_dim;
+  const query_edit poison = [&](std::vector<bf16>& q, const std::vector<select::prefill_segment>& segs) {
+    const auto at = [&](const select::prefill_segment& s, std::int32_t position, int head, int dim) {
+      return static_cast<std::size_t>((std::int64_t{s.query_offset} + position - s.q_begin) * Hq + head) * D +
+             static_cast<std::size_t>(dim);
+    };
+    const int M = p.cfg.query_tile;
+    q[at(segs[0], segs[0].q_begin + M + 6, 2, 9)] = from_float<bf16>(std::numeric_limits<float>::quiet_NaN());
+    q[at(segs[1], segs[1].q_begin + 10, 5, 4)] = from_float<bf16>(std::numeric_limits<float>::infinity());
+  };
+  const std::vector<std::int32_t> n{130, 130};
+  for (const scoring how : {scoring{true, true, 1}, scoring{true, false, 2}, scoring{false, false, 2}}) {
+    INFO((how.tensor_cores ? (how.two_pass ? "plain tf32 then 3xTF32" : "3xTF32") : "fp32 CUDA cores"));
+    const auto kept = check_prefill(p, n, seed + 1, how, poison);
+    // Sequence 0's second tile (tile 1), KV head 0: slices 0-15.
+    std::vector<std::int32_t> lowest(static_cast<std::size_t>(p.cfg.top_k_fine));
+    std::iota(lowest.begin(), lowest.end(), 0);
+    CHECK(kept[1 * 2 + 0] == lowest);
   }
 }

@@ -245,12 +245,14 @@ __device__ __forceinline__ float4 lds4(const float* p) { return *reinterpret_cas
 /// splits a = a_hi + a_lo (a b ~ a_hi b_hi + a_hi b_lo + a_lo b_hi);
 /// plain_tf32 feeds the fp32 bits as they are (the tensor core reads their
 /// tf32 part) and sets *cnorm to the largest (scale_of(c) |row(c)|)^2 (float
-/// bits, atomicMax). fma: qs row-major, 4 x 4 per thread (queries tq + 16i,
+/// bits, atomicMax). split_tf32 recomputes a NaN score in fp32 FMA (an
+/// infinite operand makes 3xTF32 NaN) unless `nan_query` says a valid
+/// query is NaN, which makes every score NaN anyway. fma: qs row-major, 4 x 4 per thread (queries tq + 16i,
 /// candidates tc + 16j).
 template <int D, prefill_scoring Mode, class RowOf, class ScaleOf>
 __device__ void score_candidates(int count, int valid, int stages, const float* qs, float* ring, float* red,
                                  const float* partial, const float* any_row, float* scores, RowOf row_of,
-                                 ScaleOf scale_of, unsigned* cnorm = nullptr) {
+                                 ScaleOf scale_of, unsigned* cnorm = nullptr, bool nan_query = false) {
   constexpr bool kTensorCores = Mode != prefill_scoring::fma;
   constexpr int kN = kPrefillCandidates, kR = prefill_row_floats(D);
   constexpr int kTileFloats = kN * kR;
@@ -414,7 +416,9 @@ __device__ void score_candidates(int count, int valid, int stages, const float* 
         // recomputes it in fp32 FMA, which gives the contract's value (+-inf,
         // or NaN where that is what it is). From the candidate's own row,
         // not the ring, which the other warps may already be refilling.
-        unsigned redo = __ballot_sync(0xFFFFFFFFu, c < count && isnan(best));
+        // A NaN query (nan_query: the tile's largest |q|^2 is NaN) makes
+        // every score NaN, as in the reference: nothing to recompute.
+        unsigned redo = __ballot_sync(0xFFFFFFFFu, c < count && isnan(best) && !nan_query);
         while (redo) {  // warp-uniform
           const int src = __ffs(static_cast<int>(redo)) - 1;
           redo &= redo - 1;
@@ -527,7 +531,7 @@ __device__ int filter_stage(int count, int k, bool two_pass, int valid, int stag
   auto cand = [&](int e) { return list ? static_cast<int>(list[e]) : e; };
   score_candidates<D, kExact>(
       n, valid, stages, qs, ring, red, partial, any_row, scores, [&](int e) { return row_of(cand(e)); },
-      [&](int e) { return scale_of(cand(e)); });
+      [&](int e) { return scale_of(cand(e)); }, nullptr, TensorCores && isnan(__uint_as_float(sh.qnorm2)));
   mark_top_k<Wide>(scores, n, k, keep, keys, temp);
   return compact_marked<kMaxCandidates>(keep, n, temp.scan, [&](int pos, int e) { emit(pos, cand(e)); });
 }
