@@ -13,7 +13,8 @@
 // score ranks below every number (-inf included), ties among NaNs go to the
 // lower index, infinities rank as numbers; the attention's output is NaN in
 // whatever dimensions the formula makes NaN (a NaN value, or a NaN or +inf
-// logit), and a -inf logit weighs nothing.
+// logit), and a -inf logit weighs nothing. (The GPU attention may give NaN
+// where an infinite value makes this +-inf: DESIGN.md section 1.)
 
 #include <algorithm>
 #include <cmath>
