@@ -159,6 +159,27 @@ struct prefill_params {
   int stages;           ///< 1 or 2
 };
 
+/// CTAs per SM the prefill kernel is compiled for (its register bound).
+/// sm_90: the measured 3 at every head_dim (80 registers). Below it, as many
+/// as its shared memory lets share an SM, at most 2: a 1-deep ring at
+/// head_dim 128 takes ~75 KB, so 2 fit an sm_80 SM (164 KB) and 1 an
+/// sm_86/89 one (100 KB), and a tighter register bound buys only spills
+/// (at 3, ptxas spilled ~200 bytes per kernel on sm_89 and up to ~1 KB of
+/// loads at head_dim 64 on sm_80; at these bounds none). fp32 CUDA cores: 1.
+HISPARSE_HOST_DEVICE constexpr int prefill_ctas_per_sm(int head_dim, bool tensor_cores) {
+  if (!tensor_cores) return 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  const int sm_bytes = __CUDA_ARCH__ == 800 || __CUDA_ARCH__ == 870 ? 164 * 1024 : 100 * 1024;
+  // The queries and one ring stage, plus ~8 KB of ranking storage and the rest.
+  const int cta_bytes = 2 * kPrefillMaxQueries * prefill_row_floats(head_dim) * 4 + 8 * 1024;
+  const int fit = sm_bytes / cta_bytes;
+  return fit < 1 ? 1 : fit > 2 ? 2 : fit;
+#else
+  (void)head_dim;
+  return 3;
+#endif
+}
+
 /// d += a b for one m16n8k8 tf32 tile, fp32 accumulation.
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
   asm volatile(
@@ -538,7 +559,7 @@ __device__ int filter_stage(int count, int k, bool two_pass, int valid, int stag
 
 /// Grid: x = KV head, y = tile (across all segments).
 template <class Q, int D, bool Wide, bool TensorCores>
-__global__ void __launch_bounds__(kSelectThreads, TensorCores ? 3 : 1)
+__global__ void __launch_bounds__(kSelectThreads, prefill_ctas_per_sm(D, TensorCores))
     prefill_selection_kernel(const __grid_constant__ prefill_params<Q> p) {
   __shared__ selection_temp<Wide> temp;
   __shared__ prefill_shared sh;
