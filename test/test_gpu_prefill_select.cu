@@ -44,6 +44,13 @@ struct scoring {
   int ring_stages = 2;
 };
 
+/// Every scoring mode: two passes (1-deep ring), one 3xTF32 pass, fp32 CUDA
+/// cores; and its name for a failure message.
+constexpr scoring kEveryScoring[] = {{true, true, 1}, {true, false, 2}, {false, false, 2}};
+const char* name_of(const scoring& how) {
+  return how.tensor_cores ? (how.two_pass ? "plain tf32 then 3xTF32" : "3xTF32") : "fp32 CUDA cores";
+}
+
 /// Changes the queries of a run before they are uploaded: (queries, laid-out
 /// segments), queries [row][q_heads][head_dim] with segment b's rows from
 /// segs[b].query_offset.
@@ -346,12 +353,13 @@ TEST_CASE("prefill selection ranks NaN scores last and infinite ones as numbers"
     poison_keys(p, b, 200 * F + 9, 5, nan);
   }
   const std::vector<std::int32_t> n{130, 130, 130};
-  for (const scoring how : {scoring{true, true, 1}, scoring{true, false, 2}, scoring{false, false, 2}}) {
-    INFO((how.tensor_cores ? (how.two_pass ? "plain tf32 then 3xTF32" : "3xTF32") : "fp32 CUDA cores"));
+  for (const scoring& how : kEveryScoring) {
+    INFO(name_of(how));
     const auto kept = check_prefill(p, n, seed + 1, how);
     // The test tests something: the reference keeps the infinite slices.
     int infinite = 0;
-    for (const auto& k : kept) infinite += static_cast<int>(std::count(k.begin(), k.end(), 40) + std::count(k.begin(), k.end(), 100));
+    for (const auto& k : kept)
+      infinite += static_cast<int>(std::count(k.begin(), k.end(), 40) + std::count(k.begin(), k.end(), 100));
     CHECK(infinite > 0);
   }
 }
@@ -377,12 +385,12 @@ TEST_CASE("prefill selection of tiles with a NaN or an infinite query", "[gpu][s
     q[at(segs[1], segs[1].q_begin + 10, 5, 4)] = from_float<bf16>(std::numeric_limits<float>::infinity());
   };
   const std::vector<std::int32_t> n{130, 130};
-  for (const scoring how : {scoring{true, true, 1}, scoring{true, false, 2}, scoring{false, false, 2}}) {
-    INFO((how.tensor_cores ? (how.two_pass ? "plain tf32 then 3xTF32" : "3xTF32") : "fp32 CUDA cores"));
+  std::vector<std::int32_t> lowest(static_cast<std::size_t>(p.cfg.top_k_fine));
+  std::iota(lowest.begin(), lowest.end(), 0);
+  for (const scoring& how : kEveryScoring) {
+    INFO(name_of(how));
     const auto kept = check_prefill(p, n, seed + 1, how, poison);
     // Sequence 0's second tile (tile 1), KV head 0: slices 0-15.
-    std::vector<std::int32_t> lowest(static_cast<std::size_t>(p.cfg.top_k_fine));
-    std::iota(lowest.begin(), lowest.end(), 0);
-    CHECK(kept[1 * 2 + 0] == lowest);
+    CHECK(kept[static_cast<std::size_t>(1 * p.shape.num_kv_heads + 0)] == lowest);
   }
 }

@@ -145,6 +145,13 @@ HISPARSE_HOST_DEVICE constexpr int prefill_row_floats(int head_dim) { return hea
 HISPARSE_HOST_DEVICE constexpr int prefill_groups(bool tensor_cores) { return tensor_cores ? 4 : 16; }
 /// Queries per tile the kernel holds: the GEMM tile's M (query_tile <= 64).
 inline constexpr int kPrefillMaxQueries = 64;
+/// Shared-memory bytes of the tile's queries, and of one ring stage.
+HISPARSE_HOST_DEVICE constexpr int prefill_query_bytes(int head_dim) {
+  return kPrefillMaxQueries * prefill_row_floats(head_dim) * 4;
+}
+HISPARSE_HOST_DEVICE constexpr int prefill_stage_bytes(int head_dim) {
+  return kPrefillCandidates * prefill_row_floats(head_dim) * 4;
+}
 
 template <class Q>
 struct prefill_params {
@@ -171,7 +178,7 @@ HISPARSE_HOST_DEVICE constexpr int prefill_ctas_per_sm(int head_dim, bool tensor
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   const int sm_bytes = __CUDA_ARCH__ == 800 || __CUDA_ARCH__ == 870 ? 164 * 1024 : 100 * 1024;
   // The queries and one ring stage, plus ~8 KB of ranking storage and the rest.
-  const int cta_bytes = 2 * kPrefillMaxQueries * prefill_row_floats(head_dim) * 4 + 8 * 1024;
+  const int cta_bytes = prefill_query_bytes(head_dim) + prefill_stage_bytes(head_dim) + 8 * 1024;
   const int fit = sm_bytes / cta_bytes;
   return fit < 1 ? 1 : fit > 2 ? 2 : fit;
 #else
@@ -267,9 +274,9 @@ __device__ __forceinline__ float4 lds4(const float* p) { return *reinterpret_cas
 /// plain_tf32 feeds the fp32 bits as they are (the tensor core reads their
 /// tf32 part) and sets *cnorm to the largest (scale_of(c) |row(c)|)^2 (float
 /// bits, atomicMax). split_tf32 recomputes a NaN score in fp32 FMA (an
-/// infinite operand makes 3xTF32 NaN) unless `nan_query` says a valid
-/// query is NaN, which makes every score NaN anyway. fma: qs row-major, 4 x 4 per thread (queries tq + 16i,
-/// candidates tc + 16j).
+/// infinite operand makes 3xTF32 NaN) unless `nan_query` says a valid query
+/// is NaN, which makes every score NaN anyway. fma: qs row-major, 4 x 4 per
+/// thread (queries tq + 16i, candidates tc + 16j).
 template <int D, prefill_scoring Mode, class RowOf, class ScaleOf>
 __device__ void score_candidates(int count, int valid, int stages, const float* qs, float* ring, float* red,
                                  const float* partial, const float* any_row, float* scores, RowOf row_of,
@@ -704,11 +711,11 @@ int plan_prefill_smem(prefill_params<Q>& p, const SparseAttentionConfig& cfg, bo
   auto align = [](int x) { return (x + 15) / 16 * 16; };
   selection_smem sel = plan_selection_smem(cfg, p.in.max_blocks, wide, /*own_keys=*/false);
   const int key_bytes = selection_key_bytes(cfg, wide);
-  const int tile_bytes = kPrefillCandidates * prefill_row_floats(head_dim) * 4;
+  const int tile_bytes = prefill_stage_bytes(head_dim);
   p.partial_offset = align(sel.bytes);
   p.red_offset = align(p.partial_offset + head_dim * 4);
   p.q_offset = align(p.red_offset + prefill_groups(tensor_cores) * kPrefillCandidates * 4);
-  p.ring_offset = p.q_offset + kPrefillMaxQueries * prefill_row_floats(head_dim) * 4;
+  p.ring_offset = p.q_offset + prefill_query_bytes(head_dim);
   sel.keys = p.ring_offset;
   p.smem = sel;
   for (int stages = std::clamp(max_stages, 1, 2); stages >= 1; --stages)
