@@ -23,6 +23,7 @@ TEST_CASE("the default config is DESIGN.md's", "[config]") {
   CHECK(c.slices_per_block() == 16);
   CHECK(c.score_type == dtype::fp32);
   CHECK(c.slice_summary_type == dtype::fp32);
+  CHECK(c.fine_score == slice_score::mean);
   CHECK(check(c) == status::success);
 }
 
@@ -48,6 +49,8 @@ TEST_CASE("every invalid config field is rejected with its name", "[config]") {
       {"score_type", [](auto& c) { c.score_type = dtype::fp16; }},
       {"slice_summary_type", [](auto& c) { c.slice_summary_type = dtype::fp16; }},
       {"slice_summary_type", [](auto& c) { c.slice_summary_type = dtype::fp64; }},
+      {"slice_score", [](auto& c) { c.fine_score = static_cast<slice_score>(7); }},
+      {"slice_score", [](auto& c) { c.fine_score = slice_score::key_bounds; c.slice_summary_type = dtype::bf16; }},
   };
   for (const auto& bc : cases) {
     SparseAttentionConfig c;
@@ -100,6 +103,11 @@ TEST_CASE("the preset registry maps ids to validated configs", "[config]") {
   bf16_sums.slice_summary_type = dtype::bf16;
   CHECK(reg.get(preset_id::standard_bf16_summaries) == bf16_sums);
   CHECK(reg.find("standard_bf16_summaries") == preset_id::standard_bf16_summaries);
+  // standard with the decode fine filter on slice key bounds, nothing else.
+  SparseAttentionConfig bounds;
+  bounds.fine_score = slice_score::key_bounds;
+  CHECK(reg.get(preset_id::standard_key_bounds) == bounds);
+  CHECK(reg.find("standard_key_bounds") == preset_id::standard_key_bounds);
   CHECK(reg.list().size() == std::size(kBuiltinPresets));
   CHECK_THROWS_WITH(reg.get(static_cast<preset_id>(77)), Catch::Contains("unknown preset id 77"));
   CHECK_THROWS_WITH(reg.find("nope"), Catch::Contains("unknown preset name"));

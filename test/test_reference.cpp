@@ -141,6 +141,50 @@ TEST_CASE("bf16 slice summaries tie what fp32 tells apart, and the tie goes to t
   CHECK(reference::decode(c, shape, s.view()).tiles[0].slices[0].kept == std::vector<std::int32_t>{2});
 }
 
+TEST_CASE("key bounds: outward bf16 words, the bound score, and the slice it keeps", "[reference]") {
+  // Words: minimum rounded down, maximum up; exact values stay; NaN spreads.
+  CHECK(key_bounds_lo(key_bounds_word(1.0f, 2.0f)) == 1.0f);
+  CHECK(key_bounds_hi(key_bounds_word(1.0f, 2.0f)) == 2.0f);
+  const std::uint32_t w = key_bounds_word(-1.00001f, 1.00001f);
+  CHECK(key_bounds_lo(w) == -1.0078125f);  // one bf16 ulp outward on each side
+  CHECK(key_bounds_hi(w) == 1.0078125f);
+  CHECK(key_bounds_lo(key_bounds_word(0.30000001f, 1.0f)) < 0.30000001f);
+  CHECK(key_bounds_hi(key_bounds_word(-5.0f, -0.30000001f)) > -0.30000001f);
+  const float inf = std::numeric_limits<float>::infinity();
+  CHECK(key_bounds_hi(key_bounds_word(0.0f, 3.4e38f)) == inf);  // above bf16's largest: rounds up to inf
+  CHECK(key_bounds_lo(key_bounds_word(-inf, inf)) == -inf);
+  CHECK(key_bounds_word(std::nanf(""), 1.0f) == 0x7fc07fc0u);
+  CHECK(key_bounds_word(0.0f, -0.0f) == key_bounds_word(-0.0f, 0.0f));  // zeros: -0 below, +0 above
+  CHECK(key_bounds_word(0.0f, 0.0f) == 0x00008000u);
+  // The score: sum_d max(q_d lo_d, q_d hi_d), NaN where a product is.
+  const double q[2] = {1.0, -1.0}, b[4] = {-1.0, 2.0, -3.0, 0.5};
+  CHECK(reference::key_bounds_score(q, b, 2) == 2.0 + 3.0);
+  const double q0[2] = {0.0, 1.0}, binf[4] = {-1.0, inf, 0.0, 1.0};
+  CHECK(std::isnan(reference::key_bounds_score(q0, binf, 2)));  // 0 * inf
+  // Slice 2: every key 0.25 (mean 0.25, bound 0.25). Slice 10: one key at 2
+  // in every dimension, the other 15 at -1/15 (mean 1/16, bound 2). Means
+  // keep slice 2, bounds slice 10.
+  SparseAttentionConfig c{64, 128, 16, 3, 1, 8};
+  const attention_shape shape{2, 1, 64};
+  random_sequence<float> s(shape, 700, 699, 1, 5);  // ws = 624: 39 far slices, 5 blocks
+  for (auto& x : s.queries) x = 1.0f;
+  for (std::int64_t t = 0; t < 624; ++t)
+    for (int d = 0; d < 64; ++d)
+      s.key(t, 0, d) = t / 16 == 2 ? 0.25f : t / 16 == 10 ? (t == 160 ? 2.0f : -1.0f / 15.0f) : 0.0f;
+  CHECK(reference::decode(c, shape, s.view()).tiles[0].slices[0].kept == std::vector<std::int32_t>{2});
+  c.fine_score = slice_score::key_bounds;
+  const auto r = reference::decode(c, shape, s.view());
+  CHECK(r.tiles[0].slices[0].kept == std::vector<std::int32_t>{10});
+  CHECK(r.tiles[0].slices[0].kept_scores[0] == 2.0 * 64 * 2.0);  // summed query 2, bound 2, 64 dimensions
+  const auto bounds = reference::slice_key_bounds(s.view().keys, c, 624);
+  REQUIRE(bounds.size() == 39 * 64 * 2);
+  CHECK(bounds[(10 * 64 + 7) * 2] == key_bounds_lo(key_bounds_word(-1.0f / 15.0f, 0.0f)));
+  CHECK(bounds[(10 * 64 + 7) * 2 + 1] == 2.0);
+  // Blocks and prefill keep their means: the policy is the decode fine filter's.
+  CHECK(r.tiles[0].blocks[0].kept == reference::decode(SparseAttentionConfig{64, 128, 16, 3, 1, 8}, shape, s.view())
+                                         .tiles[0].blocks[0].kept);
+}
+
 TEST_CASE("prefill matches brute force with max-over-tile pooling", "[reference]") {
   const std::uint64_t seed = fresh_seed();
   INFO("seed " << seed);

@@ -47,6 +47,8 @@ enum class config_error : std::uint8_t {
   query_tile_must_be_in_1_to_kMaxQueryTile,
   score_type_must_be_fp32_or_wider,
   slice_summary_type_must_be_fp32_or_bf16,
+  slice_score_must_be_mean_or_key_bounds,
+  key_bounds_need_slice_summary_type_fp32,
   num_q_heads_must_be_in_1_to_kMaxHeads,
   num_kv_heads_must_be_in_1_to_kMaxHeads,
   num_q_heads_must_be_a_multiple_of_num_kv_heads,
@@ -83,6 +85,10 @@ struct config_error_info {
               "must be fp32 or fp64 (half-precision scores flip the top-k boundary)"};
     case config_error::slice_summary_type_must_be_fp32_or_bf16:
       return {"slice_summary_type", "must be fp32 or bf16"};
+    case config_error::slice_score_must_be_mean_or_key_bounds:
+      return {"slice_score", "must be mean or key_bounds"};
+    case config_error::key_bounds_need_slice_summary_type_fp32:
+      return {"slice_score", "key_bounds reads no slice sums: slice_summary_type must stay fp32"};
     case config_error::num_q_heads_must_be_in_1_to_kMaxHeads:
       return {"num_q_heads", "must be in [1, 1024]"};
     case config_error::num_kv_heads_must_be_in_1_to_kMaxHeads:
@@ -93,6 +99,23 @@ struct config_error_info {
       return {"head_dim", "must be 64, 128 or 256"};
   }
   return {"?", "unknown error"};
+}
+
+/// What the decode fine filter scores a candidate slice by.
+///  * mean: (sum_g q_g) . mean key, DESIGN.md section 1's contract.
+///  * key_bounds: a policy (DESIGN.md's "min/max key bounds"). With Q =
+///    sum_g q_g and [lo_d, hi_d] the slice's key range in dimension d (bf16,
+///    rounded outward: `key_bounds_word`), the score is sum_d Q_d b_d with
+///    b_d = hi_d where Q_d >= 0, else lo_d: an upper bound of Q . k over the
+///    slice's keys (IEEE products: 0 * inf is NaN). A mean dilutes one
+///    strong key 64-fold; a bound does not, which is what keeps the slices
+///    holding the first or last few tokens of a needle. Same bytes as fp32
+///    means (one 32-bit word a dimension). Blocks keep their means, and
+///    prefill selection scores means: the policy is the decode fine filter's.
+enum class slice_score : std::uint8_t { mean = 0, key_bounds = 1 };
+
+[[nodiscard]] constexpr std::string_view name_of(slice_score s) noexcept {
+  return s == slice_score::mean ? "mean" : s == slice_score::key_bounds ? "key_bounds" : "?";
 }
 
 /// Hierarchical sparse attention, as DESIGN.md section 1 defines it. The
@@ -114,6 +137,7 @@ struct SparseAttentionConfig {
   /// bytes (the decode step's bandwidth-bound phase). Blocks, and prefill
   /// selection (compute-bound), always use the fp32 sums.
   dtype slice_summary_type = dtype::fp32;
+  slice_score fine_score = slice_score::mean;  ///< the decode fine filter's score (above)
 
   [[nodiscard]] constexpr config_error validate() const noexcept {
     if (window < 1 || window > kMaxWindow) return config_error::window_must_be_in_1_to_kMaxWindow;
@@ -134,6 +158,10 @@ struct SparseAttentionConfig {
       return config_error::score_type_must_be_fp32_or_wider;
     if (slice_summary_type != dtype::fp32 && slice_summary_type != dtype::bf16)
       return config_error::slice_summary_type_must_be_fp32_or_bf16;
+    if (fine_score != slice_score::mean && fine_score != slice_score::key_bounds)
+      return config_error::slice_score_must_be_mean_or_key_bounds;
+    if (fine_score == slice_score::key_bounds && slice_summary_type != dtype::fp32)
+      return config_error::key_bounds_need_slice_summary_type_fp32;
     return config_error::none;
   }
 
@@ -177,7 +205,8 @@ inline std::string field_values(const SparseAttentionConfig& c) {
          " top_k_fine=" + std::to_string(c.top_k_fine) +
          " query_tile=" + std::to_string(c.query_tile) +
          " score_type=" + std::string(name_of(c.score_type)) +
-         " slice_summary_type=" + std::string(name_of(c.slice_summary_type));
+         " slice_summary_type=" + std::string(name_of(c.slice_summary_type)) +
+         " fine_score=" + std::string(name_of(c.fine_score));
 }
 inline std::string field_values(const attention_shape& s) {
   return "num_q_heads=" + std::to_string(s.num_q_heads) +
@@ -234,6 +263,7 @@ enum class preset_id : std::uint8_t {
   high_recall = 1,   ///< twice the kept slices for retrieval-heavy prompts
   short_context = 2, ///< smaller blocks for contexts of 8K-32K tokens
   standard_bf16_summaries = 3,  ///< standard, the decode fine filter on bf16 slice summaries
+  standard_key_bounds = 4,  ///< standard, the decode fine filter on slice key bounds
   first_user_id = 128,  ///< ids from here on are free for an engine's own presets
 };
 
@@ -250,13 +280,17 @@ struct preset {
 /// and slice so short prompts still have enough candidates to choose from;
 /// `standard_bf16_summaries` is `standard` with the decode fine filter on
 /// bf16 slice summaries (half its bytes; a cache built with
-/// `bf16_slice_sums` serves it).
+/// `bf16_slice_sums` serves it); `standard_key_bounds` is `standard` with the
+/// decode fine filter on slice key bounds (a cache built with
+/// `slice_key_bounds` serves it; prefill scores means under it).
 inline constexpr preset kBuiltinPresets[] = {
     {preset_id::standard, "standard", SparseAttentionConfig{}},
     {preset_id::high_recall, "high_recall", SparseAttentionConfig{512, 1024, 64, 64, 32, 64}},
     {preset_id::short_context, "short_context", SparseAttentionConfig{256, 512, 32, 32, 16, 64}},
     {preset_id::standard_bf16_summaries, "standard_bf16_summaries",
      SparseAttentionConfig{512, 1024, 64, 32, 16, 64, dtype::fp32, dtype::bf16}},
+    {preset_id::standard_key_bounds, "standard_key_bounds",
+     SparseAttentionConfig{512, 1024, 64, 32, 16, 64, dtype::fp32, dtype::fp32, slice_score::key_bounds}},
 };
 
 static_assert([] {

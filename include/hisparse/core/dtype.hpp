@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string_view>
 #include <type_traits>
 
@@ -90,5 +91,40 @@ template <class T>
 HISPARSE_HOST_DEVICE inline float round_to(float x) {
   return to_float(from_float<T>(x));
 }
+
+/// Slice key bounds (the `slice_score::key_bounds` policy): one dimension's
+/// key range over a slice in one 32-bit word, the minimum's bf16 bits in the
+/// low half and the maximum's in the high half. Both are rounded outward (the
+/// minimum toward -inf, the maximum toward +inf), so the pair always brackets
+/// the keys; for bf16 keys it is exact. A NaN key makes both halves NaN.
+/// Host and device compute it with the same integer arithmetic.
+HISPARSE_HOST_DEVICE inline std::uint32_t float_bits(float x) {
+  std::uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+HISPARSE_HOST_DEVICE inline float bits_float(std::uint32_t b) {
+  float x;
+  std::memcpy(&x, &b, sizeof x);
+  return x;
+}
+/// bf16 bits of x rounded toward +inf (`up`) or -inf; NaN gives 0x7fc0.
+HISPARSE_HOST_DEVICE inline std::uint32_t bf16_bits_directed(float x, bool up) {
+  const std::uint32_t b = float_bits(x);
+  if ((b & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+  // A zero bound is -0 below and +0 above, whichever zero the keys held, so
+  // the word does not depend on the order a min or max met them.
+  if ((b & 0x7fffffffu) == 0) return up ? 0x0000u : 0x8000u;
+  const std::uint32_t t = b >> 16;
+  if ((b & 0xffffu) == 0) return t;  // exact
+  const bool negative = (b >> 31) != 0;
+  return up != negative ? t + 1 : t;  // away from zero when that is the direction asked
+}
+HISPARSE_HOST_DEVICE inline std::uint32_t key_bounds_word(float lo, float hi) {
+  if (lo != lo || hi != hi) return 0x7fc07fc0u;
+  return bf16_bits_directed(hi, true) << 16 | bf16_bits_directed(lo, false);
+}
+HISPARSE_HOST_DEVICE inline float key_bounds_lo(std::uint32_t w) { return bits_float(w << 16); }
+HISPARSE_HOST_DEVICE inline float key_bounds_hi(std::uint32_t w) { return bits_float(w & 0xffff0000u); }
 
 }  // namespace hisparse

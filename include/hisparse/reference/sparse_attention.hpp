@@ -240,15 +240,57 @@ template <class T>
   return means;
 }
 
+/// Per-slice key bounds of the complete slices below `limit` tokens:
+/// [num_slices][Hkv][D][2], each dimension's (lo, hi) as the cache keeps it
+/// (`key_bounds_word` of the stored keys' minimum and maximum: bf16 rounded
+/// outward, NaN in both where a key is NaN). What a `slice_score::key_bounds`
+/// fine filter scores.
+template <class T>
+[[nodiscard]] std::vector<double> slice_key_bounds(const tensor_view<const T, 3>& keys,
+                                                   const SparseAttentionConfig& c, std::int64_t limit) {
+  const std::int64_t hkv = keys.extent(1), dim = keys.extent(2);
+  const std::int64_t num_slices = std::min(limit, keys.extent(0)) / c.fine_slice;
+  std::vector<double> bounds(static_cast<std::size_t>(num_slices * hkv * dim * 2));
+  for (std::int64_t s = 0; s < num_slices; ++s)
+    for (std::int64_t h = 0; h < hkv; ++h)
+      for (std::int64_t d = 0; d < dim; ++d) {
+        float lo = std::numeric_limits<float>::infinity(), hi = -lo;
+        for (std::int64_t t = s * c.fine_slice; t < (s + 1) * c.fine_slice; ++t) {
+          const float k = to_float(keys(t, h, d));
+          if (std::isnan(k) || std::isnan(lo)) {
+            lo = hi = k + lo;  // NaN stays
+          } else {
+            lo = std::min(lo, k), hi = std::max(hi, k);
+          }
+        }
+        const std::uint32_t w = key_bounds_word(lo, hi);
+        double* b = &bounds[static_cast<std::size_t>(((s * hkv + h) * dim + d) * 2)];
+        b[0] = key_bounds_lo(w), b[1] = key_bounds_hi(w);
+      }
+  return bounds;
+}
+
+/// A key_bounds score: sum_d q_d b_d with b_d = hi_d where q_d >= 0 (-0
+/// included), else lo_d: the largest q_d k_d over the range. IEEE products,
+/// so 0 * inf and a NaN bound or query make it NaN.
+[[nodiscard]] inline double key_bounds_score(const double* q, const double* bounds, int dim) {
+  double s = 0.0;
+  for (int d = 0; d < dim; ++d) s += q[d] * bounds[2 * d + (q[d] >= 0.0 ? 1 : 0)];
+  return s;
+}
+
 /// Hierarchical sparse attention of `seq`'s queries, in query tiles of
 /// `query_tile` positions (1 for decode). `fine_summaries` is the storage of
 /// the slice summaries step 5 scores: fp32 (DESIGN.md section 1; prefill
-/// always) or bf16 (a decode config's slice_summary_type; slice_means).
+/// always) or bf16 (a decode config's slice_summary_type; slice_means);
+/// `fine_score` what step 5 scores (mean, or a decode config's key_bounds:
+/// slice_key_bounds, key_bounds_score).
 /// Throws hisparse::error on bad input.
 template <class T>
 [[nodiscard]] result sparse_attention(const SparseAttentionConfig& c, const attention_shape& s,
                                       const sequence<T>& seq, int query_tile,
-                                      dtype fine_summaries = dtype::fp32) {
+                                      dtype fine_summaries = dtype::fp32,
+                                      slice_score fine_score = slice_score::mean) {
   if (query_tile < 1 || query_tile > kMaxQueryTile)
     throw error(status::invalid_argument, "query_tile must be in [1, 256]");
   detail::check_sequence(c, s, seq, query_tile);
@@ -262,6 +304,9 @@ template <class T>
                                              ? slice_means(seq.keys, c, window_begin(last_tile, c), dtype::bf16)
                                              : std::vector<double>{};
   const std::vector<double>& fine_means = fine_summaries == dtype::bf16 ? bf16_means : smeans;
+  const bool bounds = fine_score == slice_score::key_bounds;
+  const std::vector<double> fine_bounds =
+      bounds ? slice_key_bounds(seq.keys, c, window_begin(last_tile, c)) : std::vector<double>{};
   const int spb = c.slices_per_block();
 
   result r;
@@ -291,15 +336,20 @@ template <class T>
         }
         qsum.push_back(std::move(acc));
       }
-      auto tile_score = [&](const double* summary) {
+      // The tile's score of a candidate: the max over its queries of
+      // score_of(summed query), NaN if any is NaN.
+      auto tile_max = [&](auto score_of) {
         double best = -std::numeric_limits<double>::infinity();
         bool nan = false;
         for (const auto& q : qsum) {
-          const double v = detail::dot(q.data(), summary, dim);
+          const double v = score_of(q.data());
           if (std::isnan(v)) nan = true;
           best = std::max(best, v);
         }
         return nan ? std::numeric_limits<double>::quiet_NaN() : best;
+      };
+      auto tile_score = [&](const double* summary) {
+        return tile_max([&](const double* q) { return detail::dot(q, summary, dim); });
       };
       auto slice_mean = [&](std::int64_t sl) {
         return &smeans[static_cast<std::size_t>((sl * hkv + h) * dim)];
@@ -327,7 +377,10 @@ template <class T>
       for (const std::int32_t b : tile.blocks.back().kept)
         for (std::int64_t sl = std::int64_t{b} * spb;
              sl < std::min<std::int64_t>((std::int64_t{b} + 1) * spb, far_slices); ++sl) {
-          sscore.push_back(tile_score(fine_mean(sl)));
+          sscore.push_back(bounds ? tile_max([&](const double* q) {
+            return key_bounds_score(q, &fine_bounds[static_cast<std::size_t>((sl * hkv + h) * dim * 2)], dim);
+          })
+                                  : tile_score(fine_mean(sl)));
           sid.push_back(static_cast<std::int32_t>(sl));
         }
       tile.slices.push_back(select_top_k(sscore, sid, c.top_k_fine));
@@ -361,14 +414,14 @@ template <class T>
 }
 
 /// Decode: one query at the last cached position, a tile of one; the fine
-/// filter scores the slice summaries the config's slice_summary_type names.
+/// filter scores what the config's slice_summary_type and fine_score name.
 template <class T>
 [[nodiscard]] result decode(const SparseAttentionConfig& c, const attention_shape& s,
                             const sequence<T>& seq) {
   if (seq.num_queries() != 1 || seq.q_begin != seq.length() - 1)
     throw error(status::invalid_argument,
                 "decode takes one query at the last cached position (length - 1)");
-  return sparse_attention(c, s, seq, 1, c.slice_summary_type);
+  return sparse_attention(c, s, seq, 1, c.slice_summary_type, c.fine_score);
 }
 
 /// Decode for a batch of sequences (possibly of different lengths). The
