@@ -1,11 +1,17 @@
 // The paged KV cache on the GPU: appended K/V read back exactly, summaries
-// against fp64 sums, decode and ragged prefill appends interleaved, freeing
-// and reuse, and bad input rejected with nothing changed.
+// against fp64 sums, slice key bounds bit for bit, decode and ragged prefill
+// appends interleaved, freeing and reuse, and bad input rejected with nothing
+// changed.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdint>
+#include <limits>
+#include <set>
+#include <sstream>
+#include <tuple>
 #include <vector>
 
 #include "gpu_test.hpp"
@@ -37,6 +43,41 @@ std::vector<T> random_rows(std::int64_t rows, int heads, int dim, workload::spli
   std::vector<T> v(static_cast<std::size_t>(rows * heads * dim));
   for (auto& x : v) x = from_float<T>(static_cast<float>(rng.normal() + 0.25));
   return v;
+}
+
+/// Keys spread wide (3 sigma) and never zero: the signed zeros are planted
+/// where a test wants them.
+template <class T>
+std::vector<T> nonzero_keys(std::int64_t rows, int heads, int dim, workload::splitmix64& rng) {
+  std::vector<T> v(static_cast<std::size_t>(rows * heads * dim));
+  for (auto& x : v) {
+    do {
+      x = from_float<T>(static_cast<float>(3 * rng.normal()));
+    } while (to_float(x) == 0.0f);
+  }
+  return v;
+}
+
+/// The slice key bounds the cache should hold for keys [t][heads][dim]:
+/// [ceil(t/F)][heads][dim] words of each dimension's minimum and maximum over
+/// the slice's stored keys, NaN where one of them is NaN.
+template <class T>
+std::vector<std::uint32_t> expected_bounds(const std::vector<T>& keys, int heads, int dim, int F) {
+  const auto vec = static_cast<std::size_t>(heads) * dim;
+  const std::size_t len = keys.size() / vec, slices = (len + F - 1) / F;
+  std::vector<std::uint32_t> words(slices * vec);
+  for (std::size_t s = 0; s < slices; ++s)
+    for (std::size_t i = 0; i < vec; ++i) {
+      float lo = std::numeric_limits<float>::infinity(), hi = -lo;
+      bool nan = false;
+      for (std::size_t t = s * F; t < std::min(len, (s + 1) * F); ++t) {
+        const float x = to_float(keys[t * vec + i]);
+        nan = nan || std::isnan(x);
+        lo = std::min(lo, x), hi = std::max(hi, x);
+      }
+      words[s * vec + i] = key_bounds_word(nan ? std::numeric_limits<float>::quiet_NaN() : lo, hi);
+    }
+  return words;
 }
 
 /// Everything the cache holds for (slot, layer) equals the mirror: K/V bit
@@ -310,4 +351,160 @@ TEST_CASE("device and pinned resources allocate usable memory", "[gpu][mr][expec
   CHECK_THROWS_AS(device.allocate(std::size_t{1} << 50, stream), error);  // 1 PiB: out of memory, clearly
   HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEMPLATE_TEST_CASE("the cache keeps every slice's key bounds exactly", "[gpu][kv]", __nv_bfloat16, __half) {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  workload::splitmix64 rng(seed);
+  constexpr int kSeqs = 3, kLayers = 2, H = 4, F = 64;
+  constexpr float kInf = std::numeric_limits<float>::infinity(), kNaN = std::numeric_limits<float>::quiet_NaN();
+  constexpr std::uint32_t kNaNWord = 0x7fc07fc0u;
+  for (const int D : {64, 128}) {  // 16 and 8 row groups per CTA
+    INFO("head_dim " << D);
+    mr::device_pool_resource device;
+    kv::paged_kv_cache_options o;
+    o.num_layers = kLayers;
+    o.num_kv_heads = H;
+    o.head_dim = D;
+    o.fine_slice = F;
+    o.coarse_block = 256;
+    o.max_sequences = kSeqs;
+    o.max_context = 2048;
+    o.slice_key_bounds = true;
+    kv::paged_kv_cache<TestType, mr::device_pool_resource> cache(device, o);
+    REQUIRE(cache.ref().slice_bounds != nullptr);
+    mirror<TestType> m(kSeqs, kLayers, H, D);
+    std::vector<int> slot(kSeqs);
+    for (auto& s : slot) REQUIRE(cache.add_sequence(2048, s) == status::success);
+
+    // A special key on layer 0: sequence, token within the appended chunk, head, dim.
+    struct plant {
+      int seq;
+      std::int32_t token;
+      int h, d;
+      float x;
+    };
+    std::set<std::tuple<int, std::int64_t, int, int>> nan_words;  // (sequence, slice, head, dim)
+    // Appends counts[s] new tokens to sequence s on every layer (one batch per layer).
+    auto append = [&](const std::array<std::int32_t, kSeqs>& counts, const std::vector<plant>& plants) {
+      for (int layer = 0; layer < kLayers; ++layer) {
+        std::vector<kv::append_segment> segs;
+        std::array<std::int32_t, kSeqs> first_row{};
+        std::int32_t rows = 0;
+        for (int s = 0; s < kSeqs; ++s)
+          if (counts[s] > 0) {
+            segs.push_back({slot[s], rows, counts[s]});
+            first_row[s] = rows;
+            rows += counts[s];
+          }
+        auto k = nonzero_keys<TestType>(rows, H, D, rng);
+        const auto v = nonzero_keys<TestType>(rows, H, D, rng);
+        if (layer == 0)
+          for (const auto& p : plants) {
+            k[static_cast<std::size_t>(((first_row[p.seq] + p.token) * H + p.h) * D + p.d)] = from_float<TestType>(p.x);
+            if (std::isnan(p.x))
+              nan_words.insert({p.seq, (cache.length(slot[p.seq], 0) + p.token) / F, p.h, p.d});
+          }
+        device_buffer<TestType> dk(k), dv(v);
+        REQUIRE(cache.append_async(layer, segs, dk.ptr, dv.ptr, nullptr) == status::success);
+        HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());  // before dk and dv go
+        for (int s = 0; s < kSeqs; ++s) {
+          const auto b = static_cast<std::size_t>(first_row[s]) * H * D;
+          const auto e = b + static_cast<std::size_t>(counts[s]) * H * D;
+          m.keys[s][layer].insert(m.keys[s][layer].end(), k.begin() + b, k.begin() + e);
+          m.values[s][layer].insert(m.values[s][layer].end(), v.begin() + b, v.begin() + e);
+        }
+      }
+    };
+    // Every word of every (sequence, layer) bit for bit; NaN exactly where planted.
+    auto check = [&](const char* phase) {
+      INFO(phase);
+      std::size_t nan_seen = 0, nan_expected = 0;
+      for (int s = 0; s < kSeqs; ++s)
+        for (int layer = 0; layer < kLayers; ++layer) {
+          std::vector<std::uint32_t> got;
+          cache.download_slice_bounds(slot[s], layer, got);
+          const auto want = expected_bounds(m.keys[s][layer], H, D, F);
+          REQUIRE(got.size() == want.size());
+          std::size_t bad = 0, first = 0;
+          for (std::size_t i = 0; i < got.size(); ++i)
+            if (got[i] != want[i] && bad++ == 0) first = i;
+          std::ostringstream where;
+          if (bad != 0)
+            where << "sequence " << s << " layer " << layer << ": " << bad << " words differ, first slice "
+                  << first / (H * D) << " head " << first / D % H << " dim " << first % D << ": got 0x" << std::hex
+                  << got[first] << ", want 0x" << want[first];
+          INFO(where.str());
+          CHECK(bad == 0);
+          nan_seen += static_cast<std::size_t>(std::count(got.begin(), got.end(), kNaNWord));
+          nan_expected += static_cast<std::size_t>(std::count(want.begin(), want.end(), kNaNWord));
+          if (layer == 1) verify(cache, m, slot[s], s, layer);  // no inf or NaN there: sums still right
+        }
+      CHECK(nan_expected == nan_words.size());  // the plants landed where the test means them to
+      CHECK(nan_seen == nan_words.size());
+    };
+
+    // A prefill batch: 1000 tokens (15 slices and 40 tokens), 37, and 130.
+    // Infinities and NaNs in whole and partial slices, the last token
+    // included; one dimension gets both infinities.
+    append({1000, 37, 130}, {{0, 5, 1, 3, kNaN},
+                             {0, 70, 2, 7, kInf},
+                             {0, 72, 2, 7, -kInf},
+                             {0, 71, 2, 8, -kInf},
+                             {0, 999, 0, 0, kNaN},
+                             {1, 36, 3, D - 1, kInf},
+                             {2, 0, 1, 1, -kInf},
+                             {2, 129, 0, 5, kNaN}});
+    check("prefill");
+    // Decode: 30 single tokens each. Sequence 0 crosses 1024, sequence 1
+    // crosses 64 (stored words combined until then, overwritten after).
+    for (std::int32_t step = 0; step < 30; ++step) {
+      std::vector<plant> plants;
+      if (step == 10) plants.push_back({0, 0, 3, 4, kNaN});  // a stored partial slice, NaN already in another dim
+      if (step == 24) plants.push_back({0, 0, 0, 9, kInf});  // token 1024: a fresh slice's first
+      if (step == 27) plants.push_back({1, 0, 2, 2, -kInf});  // token 64
+      append({1, 1, 1}, plants);
+    }
+    check("decode");
+    // Chunks that start mid-slice: 1030 + 300 and 67 + 5.
+    append({300, 5, 0}, {{0, 0, 1, 2, kNaN}, {1, 4, 0, 0, -kInf}});
+    check("mid-slice chunk");
+    // A freed slot's next sequence overwrites the old bounds (its NaN in
+    // slice 2, the -inf in slice 0) rather than combining with them.
+    REQUIRE(cache.free_sequence(slot[2]) == status::success);
+    REQUIRE(cache.add_sequence(2048, slot[2]) == status::success);
+    for (auto& layer_keys : m.keys[2]) layer_keys.clear();
+    for (auto& layer_values : m.values[2]) layer_values.clear();
+    std::erase_if(nan_words, [](const auto& w) { return std::get<0>(w) == 2; });
+    // Its slice 1, head 1, dimension 3: +0 and -0 alternating. Whichever
+    // zero a minimum or maximum meets first, the word is -0 below and +0
+    // above (key_bounds_word).
+    std::vector<plant> zeros;
+    for (std::int32_t t = 64; t < 128; ++t) zeros.push_back({2, t, 1, 3, t % 2 == 0 ? 0.0f : -0.0f});
+    append({1, 1, 150}, zeros);
+    check("slot reuse");
+    std::vector<std::uint32_t> words;
+    cache.download_slice_bounds(slot[2], 0, words);
+    CHECK(words[static_cast<std::size_t>((1 * H + 1) * D + 3)] == 0x00008000u);
+  }
+}
+
+TEST_CASE("slice key bounds need summaries and are kept only on request", "[gpu][kv][errors]") {
+  HISPARSE_REQUIRE_GPU();
+  mr::device_pool_resource device;
+  using cache_t = kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource>;
+  kv::paged_kv_cache_options o;
+  o.max_sequences = 1;
+  o.max_context = 256;
+  cache_t plain(device, o);
+  CHECK(plain.ref().slice_bounds == nullptr);
+  int a = 0;
+  REQUIRE(plain.add_sequence(256, a) == status::success);
+  std::vector<std::uint32_t> words;
+  CHECK_THROWS_WITH(plain.download_slice_bounds(a, 0, words), Catch::Contains("keeps no slice key bounds"));
+  o.slice_key_bounds = true;
+  o.maintain_summaries = false;
+  CHECK_THROWS_WITH(cache_t(device, o), Catch::Contains("slice_key_bounds needs maintain_summaries"));
 }

@@ -1,7 +1,8 @@
 #pragma once
 // The paged KV cache: sequences x layers x KV heads of keys and values in
-// fixed pages from a `page_pool`, with per-slice and per-block key sums kept
-// current by the append kernel itself (no separate pass over the cache).
+// fixed pages from a `page_pool`, with per-slice and per-block key sums (and,
+// on request, per-slice key bounds) kept current by the append kernel itself
+// (no separate pass over the cache).
 // Layout and its reasons: paged_kv_ref.hpp.
 //
 // Ordering: every call on one cache is stream-ordered. The cache remembers the
@@ -14,6 +15,7 @@
 // that event, so the streams it was used on may be destroyed before it.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <span>
@@ -48,6 +50,10 @@ struct paged_kv_cache_options {
   /// configs with slice_summary_type = bf16 (the decode fine filter then
   /// reads half the bytes). Costs half the fp32 slice sums' memory again.
   bool bf16_slice_sums = false;
+  /// Also keep every slice's per-dimension key range (`key_bounds_word`: min
+  /// and max rounded outward to bf16 in one 32-bit word), for configs with
+  /// slice_score = key_bounds. Costs as much memory as the fp32 slice sums.
+  bool slice_key_bounds = false;
 };
 
 /// A run of new tokens for one sequence: rows [row, row + count) of the
@@ -90,6 +96,7 @@ struct append_batch {
   T** page_table;
   float* slice_sums;
   __nv_bfloat16* slice_sums_bf16;  ///< null unless the cache keeps them
+  std::uint32_t* slice_bounds;     ///< key_bounds_word per dimension; null unless kept
   float* block_sums;
   float* block_bases;  ///< per block: ordered sum of its complete slices' sums
   std::int32_t* lengths;
@@ -118,14 +125,65 @@ __device__ __forceinline__ void accumulate(float* acc, const uint4& v) {
   for (int i = 0; i < kPer; ++i) acc[i] += to_float(e[i]);
 }
 
+// Min and max that keep a NaN once seen (fminf and fmaxf drop it): a NaN key
+// must mark its dimension's bounds, not vanish.
+__device__ __forceinline__ float nan_min(float m, float x) { return x < m || x != x ? x : m; }
+__device__ __forceinline__ float nan_max(float m, float x) { return x > m || x != x ? x : m; }
+
+template <class T>
+__device__ __forceinline__ uint4 splat(T x) {
+  T e[16 / sizeof(T)];
+#pragma unroll
+  for (auto& y : e) y = x;
+  uint4 v;
+  std::memcpy(&v, e, 16);
+  return v;
+}
+
+/// Widens the running key bounds lo and hi (packed like v, in T: the min and
+/// max of T values are T values, and 16-bit pairs take one instruction) by
+/// the keys in v.
+template <class T>
+__device__ __forceinline__ void widen_bounds(uint4& lo, uint4& hi, const uint4& v) {
+  if constexpr (sizeof(T) == 2) {
+    using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+    T2 l[4], u[4], e[4];
+    std::memcpy(l, &lo, 16);
+    std::memcpy(u, &hi, 16);
+    std::memcpy(e, &v, 16);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      l[i] = __hmin2_nan(l[i], e[i]);
+      u[i] = __hmax2_nan(u[i], e[i]);
+    }
+    std::memcpy(&lo, l, 16);
+    std::memcpy(&hi, u, 16);
+  } else {
+    float l[4], u[4], e[4];
+    std::memcpy(l, &lo, 16);
+    std::memcpy(u, &hi, 16);
+    std::memcpy(e, &v, 16);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      l[i] = nan_min(l[i], e[i]);
+      u[i] = nan_max(u[i], e[i]);
+    }
+    std::memcpy(&lo, l, 16);
+    std::memcpy(&hi, u, 16);
+  }
+}
+
 /// Grid: x = every slice touched by the batch, y = KV head. Each CTA copies
 /// its slice's new K and V rows for one head into the page (16-byte vectors),
-/// sums the new keys in fp32 into the slice sum, and the last CTA of each
-/// touched (block, head) recomputes the block sum from its slices' sums.
+/// sums the new keys in fp32 into the slice sum (and, when kept, widens the
+/// slice's key bounds by them), and the last CTA of each touched (block, head)
+/// recomputes the block sum from its slices' sums.
 template <class T>
 __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_constant__ append_batch<T> b) {
   constexpr int kPer = 16 / sizeof(T);  // elements per 16-byte vector
-  extern __shared__ float partial[];    // [rows_per_pass][head_dim]
+  // [rows_per_pass][head_dim] fp32 partial sums, then, with key bounds, the
+  // row groups' minima and maxima as T, [rows_per_pass][head_dim] each.
+  extern __shared__ float partial[];
   __shared__ bool last_for_block;
 
   const append_desc* segs = b.inline_segments ? b.segs : b.segments;
@@ -173,17 +231,24 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_con
   const bool sole_cta = in_block_first == in_block_last;
   const std::int64_t block_index =
       ((std::int64_t{s.seq} * b.layers + b.layer) * b.max_blocks + block) * b.kv_heads + h;
-  float* slice_sum = b.slice_sums + (table * b.kv_heads + h) * D;
+  const std::int64_t slice_index = (table * b.kv_heads + h) * D;
+  float* slice_sum = b.slice_sums + slice_index;
   float* block_sum = b.block_sums + block_index * D;
   float* block_base = b.block_bases + block_index * D;
   constexpr int kDimsPerThread = kMaxHeadDim / kAppendThreads;
+  const bool bounds = b.slice_bounds != nullptr;  // only with summaries (validated)
   float old_sum[kDimsPerThread], base[kDimsPerThread];
+  std::uint32_t old_bounds[kDimsPerThread];
   if (b.summaries) {
 #pragma unroll
     for (int i = 0; i < kDimsPerThread; ++i) {
       const int d = threadIdx.x + i * kAppendThreads;
       old_sum[i] = d < D && t0 > slice_begin ? slice_sum[d] : 0.0f;
       base[i] = d < D && sole_cta && slice > block_first ? block_base[d] : 0.0f;
+      // A slice's first tokens overwrite: the word may be a freed sequence's.
+      // The empty range (+inf, -inf) is the identity of the combine below.
+      old_bounds[i] = bounds && d < D && t0 > slice_begin ? b.slice_bounds[slice_index + d]
+                                                          : key_bounds_word(INFINITY, -INFINITY);
     }
   }
 
@@ -193,6 +258,7 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_con
   const int c = threadIdx.x % vecs_per_row, r = threadIdx.x / vecs_per_row;
   const int rows = t1 - t0;
   float acc[kPer] = {};
+  uint4 key_lo = splat(from_float<T>(INFINITY)), key_hi = splat(from_float<T>(-INFINITY));
   // All loads of a group before any store: the compiler cannot reorder loads
   // across stores it cannot prove disjoint, and bytes in flight are what
   // bound a copy.
@@ -214,6 +280,7 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_con
         *reinterpret_cast<uint4*>(k_dst + std::int64_t{row} * D + c * kPer) = kv[u];
         *reinterpret_cast<uint4*>(v_dst + std::int64_t{row} * D + c * kPer) = vv[u];
         if (b.summaries) accumulate<T>(acc, kv[u]);
+        if (bounds) widen_bounds<T>(key_lo, key_hi, kv[u]);
       }
     }
   }
@@ -223,6 +290,12 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_con
 
 #pragma unroll
   for (int i = 0; i < kPer; ++i) partial[r * D + c * kPer + i] = acc[i];
+  T* const lo_part = reinterpret_cast<T*>(partial + rows_per_pass * D);
+  T* const hi_part = lo_part + rows_per_pass * D;
+  if (bounds) {
+    *reinterpret_cast<uint4*>(lo_part + r * D + c * kPer) = key_lo;
+    *reinterpret_cast<uint4*>(hi_part + r * D + c * kPer) = key_hi;
+  }
   __syncthreads();
 
   // Slice sum: the stored sum (if the slice already held tokens) plus the
@@ -235,7 +308,17 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_con
     float sum = old_sum[i];
     for (int j = 0; j < rows_per_pass; ++j) sum += partial[j * D + d];
     slice_sum[d] = sum;
-    if (b.slice_sums_bf16 != nullptr) b.slice_sums_bf16[(table * b.kv_heads + h) * D + d] = __float2bfloat16_rn(sum);
+    if (b.slice_sums_bf16 != nullptr) b.slice_sums_bf16[slice_index + d] = __float2bfloat16_rn(sum);
+    if (bounds) {
+      // Decoding the stored word and rounding outward again is exact: the
+      // rounding is monotone and idempotent on bf16 values.
+      float l = key_bounds_lo(old_bounds[i]), u = key_bounds_hi(old_bounds[i]);
+      for (int j = 0; j < rows_per_pass; ++j) {
+        l = nan_min(l, to_float(lo_part[j * D + d]));
+        u = nan_max(u, to_float(hi_part[j * D + d]));
+      }
+      b.slice_bounds[slice_index + d] = key_bounds_word(l, u);
+    }
     if (sole_cta) {
       block_sum[d] = base[i] + sum;
       if (slice_complete) block_base[d] = base[i] + sum;
@@ -295,6 +378,8 @@ class paged_kv_cache {
     block_bytes_ = static_cast<std::size_t>(seq_layers * max_blocks_ * vec) * sizeof(float);
     slice_bf16_bytes_ =
         opt_.bf16_slice_sums ? static_cast<std::size_t>(seq_layers * max_slices_ * vec) * sizeof(__nv_bfloat16) : 0;
+    slice_bounds_bytes_ =
+        opt_.slice_key_bounds ? static_cast<std::size_t>(seq_layers * max_slices_ * vec) * sizeof(std::uint32_t) : 0;
     length_bytes_ = static_cast<std::size_t>(seq_layers) * sizeof(std::int32_t);
     counter_bytes_ = static_cast<std::size_t>(std::int64_t{opt_.max_sequences} * max_blocks_ * opt_.num_kv_heads) *
                      sizeof(unsigned);
@@ -307,6 +392,8 @@ class paged_kv_cache {
       slice_sums_ = static_cast<float*>(resource_->allocate(slice_bytes_, stream_));
       if (opt_.bf16_slice_sums)
         slice_sums_bf16_ = static_cast<__nv_bfloat16*>(resource_->allocate(slice_bf16_bytes_, stream_));
+      if (opt_.slice_key_bounds)
+        slice_bounds_ = static_cast<std::uint32_t*>(resource_->allocate(slice_bounds_bytes_, stream_));
       block_sums_ = static_cast<float*>(resource_->allocate(block_bytes_, stream_));
       block_bases_ = static_cast<float*>(resource_->allocate(block_bytes_, stream_));
       lengths_ = static_cast<std::int32_t*>(resource_->allocate(length_bytes_, stream_));
@@ -442,6 +529,7 @@ class paged_kv_cache {
     batch.page_table = page_table_;
     batch.slice_sums = slice_sums_;
     batch.slice_sums_bf16 = slice_sums_bf16_;  // null without summaries (validated)
+    batch.slice_bounds = slice_bounds_;        // likewise
     batch.block_sums = block_sums_;
     batch.block_bases = block_bases_;
     batch.lengths = lengths_;
@@ -481,7 +569,8 @@ class paged_kv_cache {
     batch.new_pages = dev_pages;
     if (st == status::success) {
       const int rows_per_pass = detail::kAppendThreads / (opt_.head_dim * static_cast<int>(sizeof(T)) / 16);
-      const std::size_t smem = static_cast<std::size_t>(rows_per_pass) * opt_.head_dim * sizeof(float);
+      const std::size_t smem = static_cast<std::size_t>(rows_per_pass) * opt_.head_dim *
+                               (sizeof(float) + (opt_.slice_key_bounds ? 2 * sizeof(T) : 0));
       detail::append_kernel<T><<<dim3(static_cast<unsigned>(slices), static_cast<unsigned>(opt_.num_kv_heads)),
                                  detail::kAppendThreads, smem, stream>>>(batch);
       if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess)
@@ -522,6 +611,7 @@ class paged_kv_cache {
     r.page_table = page_table_;
     r.slice_sums = slice_sums_;
     r.slice_sums_bf16 = slice_sums_bf16_;
+    r.slice_bounds = slice_bounds_;
     r.block_sums = block_sums_;
     r.lengths = lengths_;
     r.layers = opt_.num_layers;
@@ -585,6 +675,19 @@ class paged_kv_cache {
                                    sums.size() * sizeof(__nv_bfloat16), cudaMemcpyDeviceToHost));
   }
 
+  /// The slice key bounds of one (sequence, layer), [ceil(length/F)][kv_heads]
+  /// [head_dim] `key_bounds_word`s; throws unless the cache keeps them
+  /// (slice_key_bounds).
+  void download_slice_bounds(int slot, int layer, std::vector<std::uint32_t>& bounds) const {
+    if (slice_bounds_ == nullptr)
+      throw error(status::invalid_argument, "download_slice_bounds: the cache keeps no slice key bounds");
+    const summary_extent e = extent(slot, layer);
+    HISPARSE_CUDA_CHECK(cudaEventSynchronize(last_launch_));
+    bounds.resize(static_cast<std::size_t>(e.slices * e.vec));
+    HISPARSE_CUDA_CHECK(cudaMemcpy(bounds.data(), slice_bounds_ + e.seq_layer * max_slices_ * e.vec,
+                                   bounds.size() * sizeof(std::uint32_t), cudaMemcpyDeviceToHost));
+  }
+
  private:
   /// What a (sequence, layer) holds of summaries: slices and blocks begun,
   /// floats per slice or block (all heads), and its row in the arrays.
@@ -615,6 +718,7 @@ class paged_kv_cache {
     if (o.max_sequences < 1 || o.max_sequences > 4096) bad("max_sequences must be in [1, 4096]");
     if (o.max_context < 1 || o.max_context > kMaxContext) bad("max_context must be in [1, 2^30]");
     if (o.bf16_slice_sums && !o.maintain_summaries) bad("bf16_slice_sums needs maintain_summaries");
+    if (o.slice_key_bounds && !o.maintain_summaries) bad("slice_key_bounds needs maintain_summaries");
     return o;
   }
 
@@ -652,6 +756,7 @@ class paged_kv_cache {
     give(page_table_, table_bytes_);
     give(slice_sums_, slice_bytes_);
     give(slice_sums_bf16_, slice_bf16_bytes_);
+    give(slice_bounds_, slice_bounds_bytes_);
     give(block_sums_, block_bytes_);
     give(block_bases_, block_bytes_);
     give(lengths_, length_bytes_);
@@ -667,11 +772,12 @@ class paged_kv_cache {
   cudaStream_t stream_ = nullptr;
   cudaEvent_t last_launch_ = nullptr;
   std::int32_t max_slices_ = 0, max_blocks_ = 0;
-  std::size_t table_bytes_ = 0, slice_bytes_ = 0, slice_bf16_bytes_ = 0, block_bytes_ = 0, length_bytes_ = 0,
-              counter_bytes_ = 0, scratch_bytes_ = 0, pages_offset_ = 0;
+  std::size_t table_bytes_ = 0, slice_bytes_ = 0, slice_bf16_bytes_ = 0, slice_bounds_bytes_ = 0, block_bytes_ = 0,
+              length_bytes_ = 0, counter_bytes_ = 0, scratch_bytes_ = 0, pages_offset_ = 0;
   T** page_table_ = nullptr;
   float* slice_sums_ = nullptr;
   __nv_bfloat16* slice_sums_bf16_ = nullptr;
+  std::uint32_t* slice_bounds_ = nullptr;
   float* block_sums_ = nullptr;
   float* block_bases_ = nullptr;
   std::int32_t* lengths_ = nullptr;

@@ -21,7 +21,9 @@
 //    deterministic and independent of how tokens were appended. Means follow
 //    by dividing by the token count, which the length gives. On request the
 //    cache also keeps each slice sum rounded to bf16, for selection policies
-//    that read those instead (half the bytes).
+//    that read those instead (half the bytes), and for the key_bounds policy
+//    each slice's key range: per dimension one `key_bounds_word` (minimum and
+//    maximum rounded outward to bf16), laid out like the slice sums.
 
 #include <cuda_bf16.h>
 
@@ -39,6 +41,10 @@ struct paged_kv_ref {
   /// The same rounded to bf16 (round to nearest even); null unless the cache
   /// keeps them (paged_kv_cache_options::bf16_slice_sums).
   const __nv_bfloat16* slice_sums_bf16 = nullptr;
+  /// Per dimension, the slice's key minimum and maximum (`key_bounds_word`),
+  /// laid out like slice_sums; null unless the cache keeps them
+  /// (paged_kv_cache_options::slice_key_bounds).
+  const std::uint32_t* slice_bounds = nullptr;
   const float* block_sums = nullptr;   ///< [max_sequences][layers][max_blocks][kv_heads][head_dim]
   const std::int32_t* lengths = nullptr;  ///< [max_sequences][layers], tokens stored
   int layers = 0;
