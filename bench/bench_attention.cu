@@ -50,7 +50,8 @@ struct decode_fixture {
     o.head_dim = kDim;
     o.max_sequences = batch;
     o.max_context = context;
-    o.bf16_slice_sums = true;  // for BM_decode_step_bf16_sums; unread by the fp32 configs
+    o.bf16_slice_sums = true;   // for BM_decode_step_bf16_sums; unread by the fp32 configs
+    o.slice_key_bounds = true;  // for BM_decode_step_key_bounds; unread by the others
     return o;
   }
 
@@ -232,6 +233,11 @@ void BM_decode_step_bf16_sums(benchmark::State& state) {
   decode_step(state, preset_registry{}.get(preset_id::standard_bf16_summaries));
 }
 
+/// The standard step with the fine filter on slice key bounds.
+void BM_decode_step_key_bounds(benchmark::State& state) {
+  decode_step(state, preset_registry{}.get(preset_id::standard_key_bounds));
+}
+
 /// The composed step with another attention tile policy (rows per stage,
 /// warps, stages): the sweep that picks kDecodeTile.
 template <tile_policy Tile>
@@ -272,6 +278,9 @@ BENCHMARK(BM_decode_step)->ArgNames({"B", "T", "topk"})
     ->Args({8, 262144, 32})
     ->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_decode_step_bf16_sums)->ArgNames({"B", "T"})
+    ->ArgsProduct({{1, 8, 32}, {32768, 131072, 262144}})
+    ->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_decode_step_key_bounds)->ArgNames({"B", "T"})
     ->ArgsProduct({{1, 8, 32}, {32768, 131072, 262144}})
     ->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
 #define HISPARSE_TILE_SWEEP(tile)                                                                          \

@@ -34,7 +34,8 @@ kv::paged_kv_cache_options cache_options(int batch, std::int32_t context) {
   o.head_dim = kDim;
   o.max_sequences = batch;
   o.max_context = context;
-  o.bf16_slice_sums = true;  // for BM_decode_selection_bf16_sums; unread by fp32 configs
+  o.bf16_slice_sums = true;   // for BM_decode_selection_bf16_sums; unread by fp32 configs
+  o.slice_key_bounds = true;  // for BM_decode_selection_key_bounds; unread by the others
   return o;
 }
 
@@ -137,6 +138,11 @@ void BM_decode_selection_bf16_sums(benchmark::State& state) {
   decode_selection(state, preset_registry{}.get(preset_id::standard_bf16_summaries), 0.0f);
 }
 
+/// The same with the fine stage on slice key bounds.
+void BM_decode_selection_key_bounds(benchmark::State& state) {
+  decode_selection(state, preset_registry{}.get(preset_id::standard_key_bounds), 0.0f);
+}
+
 /// Prefill selection of a whole prompt of T tokens (every position a query,
 /// tiles of 64): one launch, CUDA events. `scoring`: 0 fp32 FMA on the CUDA
 /// cores, 1 every candidate in 3xTF32, 2 plain tf32 then 3xTF32 for the
@@ -217,6 +223,9 @@ BENCHMARK(BM_decode_selection)->ArgNames({"B", "T", "key_mean"})
     ->ArgsProduct({{1, 8, 32}, {32768, 131072, 262144}, {0}})->Args({8, 262144, 16})->UseManualTime()->Iterations(100)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_decode_selection_bf16_sums)->ArgNames({"B", "T"})
+    ->ArgsProduct({{1, 8, 32}, {32768, 131072, 262144}})->UseManualTime()->Iterations(100)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_decode_selection_key_bounds)->ArgNames({"B", "T"})
     ->ArgsProduct({{1, 8, 32}, {32768, 131072, 262144}})->UseManualTime()->Iterations(100)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK_MAIN();

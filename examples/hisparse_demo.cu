@@ -206,6 +206,7 @@ void run_gpu(const options& opt, const hisparse::SparseAttentionConfig& cfg, con
     co.max_sequences = B;
     co.max_context = ctx;
     co.bf16_slice_sums = cfg.slice_summary_type == dtype::bf16;  // standard_bf16_summaries
+    co.slice_key_bounds = cfg.fine_score == slice_score::key_bounds;  // standard_key_bounds
     kv::paged_kv_cache<bf16, mr::device_pool_resource> cache(device, co);
     device_array<bf16> k(w.keys.size()), v(w.values.size());
     k.upload(w.keys.data(), w.keys.size());

@@ -309,47 +309,64 @@ TEMPLATE_TEST_CASE("sparse decode step matches fp64 attention over its selection
   check_selection_matches_reference(p, g);
 }
 
-TEMPLATE_TEST_CASE("sparse decode step on bf16 slice summaries (standard_bf16_summaries)", "[gpu][attention]",
-                   __nv_bfloat16, __half) {
-  HISPARSE_REQUIRE_GPU();
+namespace {
+/// The step on a preset that reads more than the cache's fp32 sums, from a
+/// cache that `keep` makes keep them: against fp64 and the reference's
+/// selection, and through the adapter (which serves the preset from this
+/// cache, not from one without them: the tests below) with the same result.
+template <class T, class Keep>
+void check_preset_step(preset_id id, Keep keep) {
   const std::uint64_t seed = test::fresh_seed();
   INFO("seed " << seed);
   mr::device_pool_resource device;
-  const SparseAttentionConfig cfg = preset_registry{}.get(preset_id::standard_bf16_summaries);
+  const SparseAttentionConfig cfg = preset_registry{}.get(id);
   const std::vector<std::int64_t> lengths{1, 575, 5000, 33 * 1024 + 17, 100003};
-  const auto p = test::make_problem<TestType>({32, 8, 128}, cfg, lengths, seed);
+  const auto p = test::make_problem<T>({32, 8, 128}, cfg, lengths, seed);
   auto o = test::cache_options(p, 100003);
-  o.bf16_slice_sums = true;
-  kv::paged_kv_cache<TestType, mr::device_pool_resource> cache(device, o);
+  keep(o);
+  kv::paged_kv_cache<T, mr::device_pool_resource> cache(device, o);
   const auto slots = test::fill(p, cache);
   const auto g = run_step(p, cache, slots);
   check_against_fp64(p, g, /*dense=*/false);
   check_selection_matches_reference(p, g);
-  // The adapter serves the preset from this cache (not from one without
-  // bf16 sums: the test below), with the same result as the direct step.
-  sparse_attention_op<TestType, mr::device_pool_resource> op;
+  sparse_attention_op<T, mr::device_pool_resource> op;
   typename decltype(op)::init_arguments in;
   in.resource = &device;
   in.cache = cache.ref();
   in.max_batch = static_cast<int>(lengths.size());
   in.num_q_heads = 32;
   REQUIRE(op.init(in) == status::success);
-  REQUIRE(op.serves(preset_id::standard_bf16_summaries));
+  REQUIRE(op.serves(id));
   const int B = static_cast<int>(lengths.size());
   dev<std::int32_t> d_slots(std::vector<std::int32_t>(slots.begin(), slots.end()));
-  dev<TestType> d_q(p.queries), out(B * 32 * 128);
+  dev<T> d_q(p.queries), out(B * 32 * 128);
   typename decltype(op)::forward_arguments f;
   f.queries = d_q.ptr;
   f.slots = d_slots.ptr;
   f.batch = B;
   f.out = out.ptr;
-  f.preset = preset_id::standard_bf16_summaries;
+  f.preset = id;
   out.poison(nullptr);
   REQUIRE(op.forward(f, nullptr) == status::success);
   HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<double> got;
   for (const auto x : out.download()) got.push_back(to_double(x));
   REQUIRE(got == g.out);
+}
+}  // namespace
+
+TEMPLATE_TEST_CASE("sparse decode step on bf16 slice summaries (standard_bf16_summaries)", "[gpu][attention]",
+                   __nv_bfloat16, __half) {
+  HISPARSE_REQUIRE_GPU();
+  check_preset_step<TestType>(preset_id::standard_bf16_summaries,
+                              [](kv::paged_kv_cache_options& o) { o.bf16_slice_sums = true; });
+}
+
+TEMPLATE_TEST_CASE("sparse decode step on slice key bounds (standard_key_bounds)", "[gpu][attention][bounds]",
+                   __nv_bfloat16, __half) {
+  HISPARSE_REQUIRE_GPU();
+  check_preset_step<TestType>(preset_id::standard_key_bounds,
+                              [](kv::paged_kv_cache_options& o) { o.slice_key_bounds = true; });
 }
 
 TEST_CASE("sparse decode step across GQA 1/4/8, head_dim 64/128, batches 1/3/8", "[gpu][attention]") {
@@ -837,6 +854,7 @@ TEST_CASE("operator adapter: init, forward by preset id, release", "[gpu][attent
   CHECK(op.serves(preset_id::high_recall));
   CHECK_FALSE(op.serves(preset_id::short_context));  // F = 32: not this cache's slices
   CHECK_FALSE(op.serves(preset_id::standard_bf16_summaries));  // the cache keeps no bf16 sums
+  CHECK_FALSE(op.serves(preset_id::standard_key_bounds));  // nor key bounds
   const preset_registry presets;
   for (const preset_id id : {preset_id::standard, preset_id::high_recall}) {
     INFO("preset " << static_cast<int>(id));

@@ -107,6 +107,11 @@ void compare(const problem& p, const gpu_result& g, int b, bool exact,
   // exact sums, the cache its fp32 ones, so the two can sit one bf16 ulp
   // apart: the fine scores are checked against the cache's.
   const bool bf16_fine = p.cfg.slice_summary_type == dtype::bf16;
+  // fine_score = key_bounds: the slices' key bounds, which for bf16 keys the
+  // cache keeps exactly (test_gpu_kv checks its words bit for bit).
+  const bool bounds_fine = p.cfg.fine_score == slice_score::key_bounds;
+  const std::vector<double> bounds =
+      bounds_fine ? reference::slice_key_bounds(seq.keys, p.cfg, tile.window_begin) : std::vector<double>{};
   const int G = p.shape.group_size(), D = p.shape.head_dim;
   const std::int64_t far_slices = tile.window_begin / p.cfg.fine_slice;
   std::vector<double> fine_means = means;
@@ -131,17 +136,26 @@ void compare(const problem& p, const gpu_result& g, int b, bool exact,
       if (std::isfinite(s)) scale = std::max(scale, std::abs(s));
     for (const double s : rs.kept_scores)
       if (std::isfinite(s)) scale = std::max(scale, std::abs(s));
+    std::vector<double> qs(static_cast<std::size_t>(D), 0.0);  // the group's summed query
     for (int d = 0; d < D; ++d) {
-      double q = 0;
-      for (int gq = 0; gq < G; ++gq) q += to_double(seq.queries(0, h * G + gq, d));
-      qnorm += q * q;
+      for (int gq = 0; gq < G; ++gq) qs[static_cast<std::size_t>(d)] += to_double(seq.queries(0, h * G + gq, d));
+      qnorm += qs[static_cast<std::size_t>(d)] * qs[static_cast<std::size_t>(d)];
     }
+    auto bounds_of = [&](std::int64_t sl) { return &bounds[static_cast<std::size_t>((sl * H + h) * D * 2)]; };
     for (std::int64_t sl = 0; sl < far_slices; ++sl) {
       double m = 0;
       for (int d = 0; d < D; ++d) m += std::pow(means[static_cast<std::size_t>((sl * H + h) * D + d)], 2);
       if (std::isfinite(m)) mnorm = std::max(mnorm, m);
     }
     scale = std::max(scale, std::sqrt(qnorm * mnorm));
+    if (bounds_fine)  // a bound's terms: |Q_d| max(|lo_d|, |hi_d|)
+      for (std::int64_t sl = 0; sl < far_slices; ++sl) {
+        double terms = 0;
+        for (int d = 0; d < D; ++d)
+          terms += std::abs(qs[static_cast<std::size_t>(d)]) *
+                   std::max(std::abs(bounds_of(sl)[2 * d]), std::abs(bounds_of(sl)[2 * d + 1]));
+        if (std::isfinite(terms)) scale = std::max(scale, terms);
+      }
     REQUIRE(g.num_slices[at] == static_cast<std::int32_t>(rs.kept.size()));
     for (std::size_t i = rs.kept.size(); i < static_cast<std::size_t>(kf); ++i) REQUIRE(gs[i] == -1);
     // Kept scores match the reference's within fp32 accumulation.
@@ -153,7 +167,7 @@ void compare(const problem& p, const gpu_result& g, int b, bool exact,
       std::vector<std::int32_t> gsk(gs.begin(), gs.begin() + g.num_slices[at]);
       if (exact) REQUIRE(gsk == rs.kept);
       REQUIRE(std::is_sorted(gsk.begin(), gsk.end()));
-      if (!bf16_fine)
+      if (!bf16_fine && !bounds_fine)
         for (std::size_t i = 0; i < rs.kept.size() && i < gsk.size() && gsk[i] == rs.kept[i]; ++i)
           REQUIRE(same_score(g.slice_scores[at * kf + i], rs.kept_scores[i], 1e-5 * scale));
       std::vector<double> slice_ref(static_cast<std::size_t>(len / p.cfg.fine_slice + 1), -1e300);
@@ -163,15 +177,20 @@ void compare(const problem& p, const gpu_result& g, int b, bool exact,
              sl < (std::int64_t{blk} + 1) * p.cfg.slices_per_block() && (sl + 1) * p.cfg.fine_slice <= tile.window_begin;
              ++sl) {
           double sc = 0;
-          for (int gq = 0; gq < G; ++gq)
-            for (int d = 0; d < D; ++d)
-              sc += to_double(seq.queries(0, h * G + gq, d)) *
-                    fine_means[static_cast<std::size_t>((sl * H + h) * D + d)];
+          if (bounds_fine) {
+            sc = reference::key_bounds_score(qs.data(), bounds_of(sl), D);
+          } else {
+            for (int gq = 0; gq < G; ++gq)
+              for (int d = 0; d < D; ++d)
+                sc += to_double(seq.queries(0, h * G + gq, d)) *
+                      fine_means[static_cast<std::size_t>((sl * H + h) * D + d)];
+          }
           slice_ref[static_cast<std::size_t>(sl)] = sc;
         }
       // bf16: every kept score against the cache's sums (fp32 means would
-      // miss by ~2^-9 of the terms, far outside 1e-5 of the scale).
-      if (bf16_fine)
+      // miss by ~2^-9 of the terms, far outside 1e-5 of the scale); key
+      // bounds: against the bounds' scores.
+      if (bf16_fine || bounds_fine)
         for (std::size_t i = 0; i < gsk.size(); ++i)
           REQUIRE(same_score(g.slice_scores[at * kf + i], slice_ref[static_cast<std::size_t>(gsk[i])], 1e-5 * scale));
       check_set(gsk, rs, slice_ref, 1e-4 * scale);
@@ -474,6 +493,115 @@ TEST_CASE("decode selection ranks NaN scores last and infinite ones as numbers",
       CHECK(std::find(s0, s1, 40 * 16 + 7) != s1);
     }
   }
+}
+
+namespace {
+/// A cache for p that also keeps slice key bounds, and p's config on them.
+kv::paged_kv_cache_options bounds_cache_options(const problem& p, std::int64_t max_context) {
+  auto o = cache_options(p, max_context);
+  o.slice_key_bounds = true;
+  return o;
+}
+SparseAttentionConfig with_key_bounds(SparseAttentionConfig c) {
+  c.fine_score = slice_score::key_bounds;
+  return c;
+}
+}  // namespace
+
+TEST_CASE("decode selection on slice key bounds matches the reference", "[gpu][select][bounds]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  mr::device_pool_resource device;
+  using cache_t = kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource>;
+  SECTION("the standard preset's config, lengths and edge cases") {
+    const SparseAttentionConfig cfg = preset_registry{}.get(preset_id::standard_key_bounds);
+    REQUIRE(cfg.fine_score == slice_score::key_bounds);
+    const problem p = make_problem({32, 8, 128}, cfg, {1, 300, 575, 576, 1600, 5000, 33 * 1024 + 17, 100003}, seed);
+    cache_t cache(device, bounds_cache_options(p, 100003));
+    check_problem_on_gpu(p, cache);
+  }
+  SECTION("head_dim 64, 128, 256 and GQA 1 and 8, several batches a warp") {
+    const SparseAttentionConfig cfg = with_key_bounds({128, 1024, 16, 10, 8, 1});  // 640 fine candidates
+    for (const int group : {1, 8})
+      for (const int dim : {64, 128, 256}) {
+        INFO("group " << group << ", head_dim " << dim);
+        const problem p = make_problem({2 * group, 2, dim}, cfg, {1, 700, 5001, 20000, 40000}, seed + group * dim);
+        cache_t cache(device, bounds_cache_options(p, 40000));
+        check_problem_on_gpu(p, cache);
+      }
+  }
+  SECTION("one strong key keeps its slice, where its mean would not") {
+    // Slice 77 of 512 candidates: one key at 4 sign(Q_d) in every dimension,
+    // the other 63 at -4/63 sign(Q_d), so its mean scores ~0 (a middling
+    // rank) and its bound ~4 sum|Q_d|, above every random slice's (~2.4).
+    const std::int64_t len = 33300;  // ws = 32768: 32 blocks, all kept
+    problem p = make_problem({8, 2, 128}, with_key_bounds({}), {len}, seed);
+    const int H = p.shape.num_kv_heads, D = p.shape.head_dim, G = p.shape.group_size(), F = p.cfg.fine_slice;
+    for (int h = 0; h < H; ++h)
+      for (int d = 0; d < D; ++d) {
+        double q = 0;
+        for (int g = 0; g < G; ++g) q += to_double(p.queries[static_cast<std::size_t>((h * G + g) * D + d)]);
+        const float sign = q < 0 ? -1.0f : 1.0f;
+        for (std::int64_t t = 77 * F; t < 78 * F; ++t)
+          p.keys[0][static_cast<std::size_t>((t * H + h) * D + d)] =
+              from_float<__nv_bfloat16>(t == 77 * F + 5 ? 4.0f * sign : -4.0f / 63.0f * sign);
+      }
+    auto kept_77 = [&](const gpu_result& g, int h) {
+      const auto first = g.slices.begin() + h * p.cfg.top_k_fine, last = first + p.cfg.top_k_fine;
+      return std::find(first, last, 77) != last;
+    };
+    {
+      cache_t cache(device, bounds_cache_options(p, len));
+      const auto g = check_problem_on_gpu(p, cache);
+      for (int h = 0; h < H; ++h) CHECK(kept_77(g, h));
+    }
+    problem means = p;
+    means.cfg.fine_score = slice_score::mean;
+    cache_t cache(device, cache_options(means, len));
+    const auto g = check_problem_on_gpu(means, cache);
+    for (int h = 0; h < H; ++h) CHECK_FALSE(kept_77(g, h));
+  }
+  SECTION("NaN and infinite keys") {
+    // Constant slices (exact bounds) scoring 128-255, then: every key of
+    // slice 5 NaN (NaN bounds: ranked last); +inf in one dimension of one
+    // key of slice 200 (an infinite upper bound: ranked first); -inf there
+    // in slice 300 (only its lower bound moves: it keeps its number, which
+    // the exact match against the reference checks).
+    auto plain = [](int c) { return static_cast<float>(128 + (c * 37) % 128); };
+    const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+    const std::int64_t len = 33300;
+    problem p = make_problem({8, 2, 128}, with_key_bounds({}), {len}, 23);
+    plant_slices(p, 512, plain);
+    poison_slice(p, 5, nan);
+    poison_slice(p, 200, inf);
+    poison_slice(p, 300, -inf);
+    cache_t cache(device, bounds_cache_options(p, len));
+    const auto g = check_problem_on_gpu(p, cache, /*exact=*/true);
+    for (int h = 0; h < p.shape.num_kv_heads; ++h) {
+      const auto first = g.slices.begin() + h * p.cfg.top_k_fine, last = first + p.cfg.top_k_fine;
+      CHECK(std::find(first, last, 200) != last);
+      CHECK(std::find(first, last, 5) == last);
+    }
+  }
+}
+
+TEST_CASE("decode selection on slice key bounds needs a cache that keeps them", "[gpu][select][bounds]") {
+  HISPARSE_REQUIRE_GPU();
+  mr::device_pool_resource device;
+  const SparseAttentionConfig cfg = with_key_bounds({});
+  const problem p = make_problem({32, 8, 128}, cfg, {5000}, 3);
+  kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, cache_options(p, 5000));
+  select::decode_selection_arguments<__nv_bfloat16> a;
+  int dummy_slot = 0;
+  a.queries = reinterpret_cast<const __nv_bfloat16*>(&dummy_slot);  // never read: the check fails first
+  a.slots = &dummy_slot;
+  a.batch = 1;
+  a.num_q_heads = 32;
+  a.set_cache(cache.ref());
+  REQUIRE(a.slice_bounds == nullptr);
+  CHECK(select::can_implement_decode_selection(cfg, a) == status::invalid_argument);
+  CHECK_THAT(last_error(), Catch::Contains("slice_key_bounds"));
 }
 
 TEST_CASE("wide top-k: the threshold filter up to k = 128, block_topk beyond", "[gpu][select]") {

@@ -66,6 +66,7 @@ class sparse_attention_op {
       const SparseAttentionConfig& cfg = reg.get(id);
       if (cfg.fine_slice != in.cache.fine_slice || cfg.coarse_block != in.cache.coarse_block) continue;
       if (cfg.slice_summary_type == dtype::bf16 && in.cache.slice_sums_bf16 == nullptr) continue;
+      if (cfg.fine_score == slice_score::key_bounds && in.cache.slice_bounds == nullptr) continue;
       hierarchical_decode<T, Tile> op(cfg);
       std::size_t b = 0;  // covers every batch up to max_batch
       HISPARSE_TRY(op.workspace_bytes(probe_arguments(in, in.max_batch), b));

@@ -17,7 +17,9 @@
 // at 256K tokens. With config.slice_summary_type = bf16, step 4 reads the
 // cache's bf16-rounded slice sums instead (widened exactly, scored in fp32 the
 // same way): half its bytes, which are the bandwidth-bound part of a decode
-// step (PERF_NOTES, decode step).
+// step (PERF_NOTES, decode step). With config.fine_score = key_bounds, step 4
+// reads the cache's slice key bounds (as many bytes as fp32 sums) and scores
+// each slice by sum_d Q_d (Q_d >= 0 ? hi_d : lo_d) (config.hpp, slice_score).
 
 #include <algorithm>
 #include <atomic>
@@ -60,6 +62,10 @@ struct cache_summaries {
   /// The slice sums rounded to bf16, which a config with slice_summary_type
   /// = bf16 has the decode fine stage read; null where the cache keeps none.
   const __nv_bfloat16* slice_sums_bf16 = nullptr;
+  /// Each slice's key bounds (key_bounds_word per dimension, laid out like
+  /// slice_sums), which a config with fine_score = key_bounds has the decode
+  /// fine stage read; null where the cache keeps none.
+  const std::uint32_t* slice_bounds = nullptr;
   const float* block_sums = nullptr;
   const std::int32_t* lengths = nullptr;
   int layers = 0, kv_heads = 0, head_dim = 0, fine_slice = 0, coarse_block = 0;
@@ -69,6 +75,7 @@ struct cache_summaries {
   void set_cache(const kv::paged_kv_ref<T>& r) {
     slice_sums = r.slice_sums;
     slice_sums_bf16 = r.slice_sums_bf16;
+    slice_bounds = r.slice_bounds;
     block_sums = r.block_sums;
     lengths = r.lengths;
     layers = r.layers;
@@ -235,6 +242,18 @@ struct lane_words<__nv_bfloat16, kPer> {
   static constexpr int kCount = kPer / 2;
 };
 
+/// Key bounds rows (fine_score = key_bounds): one 32-bit word a dimension,
+/// loaded as the fp32 rows are and kept as raw bits until scored.
+template <int kPer>
+struct lane_words<std::uint32_t, kPer> {
+  using type = float;
+  static constexpr int kCount = kPer;
+};
+template <int kPer>
+__device__ __forceinline__ void load_lane(const std::uint32_t* row, float (&w)[kPer]) {
+  load_lane<kPer>(reinterpret_cast<const float*>(row), w);
+}
+
 /// Loads this lane's kPer consecutive bf16 of a row as kPer / 2 words.
 template <int kPer>
 __device__ __forceinline__ void load_lane(const __nv_bfloat16* row, unsigned (&w)[kPer / 2]) {
@@ -283,6 +302,28 @@ __device__ __forceinline__ float lane_dot(const float (&q)[kPer], const float (&
 #pragma unroll
   for (int i = 0; i < kPer; ++i) s = fmaf(q[i], v[i], s);
   return s;
+}
+
+/// This lane's part of a key_bounds score: sum_i q_i b_i over its kPer
+/// words (bits, see key_bounds_word), fmaf in order, with b_i the bound
+/// facing q_i -- the maximum where q_i >= 0, else the minimum -- moved into
+/// a float's high half by one byte permute (`sel`: bounds_selectors).
+template <int kPer>
+__device__ __forceinline__ float lane_bounds(const float (&q)[kPer], const unsigned (&sel)[kPer],
+                                             const float (&w)[kPer]) {
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) s = fmaf(q[i], __uint_as_float(__byte_perm(__float_as_uint(w[i]), 0u, sel[i])), s);
+  return s;
+}
+
+/// The byte-permute selectors of lane_bounds: bytes 3-2 of the word (the
+/// maximum) over two zero bytes where q_i >= 0 (-0 included; NaN either
+/// way), else bytes 1-0 (the minimum).
+template <int kPer>
+__device__ __forceinline__ void bounds_selectors(const float (&q)[kPer], unsigned (&sel)[kPer]) {
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) sel[i] = q[i] >= 0.0f ? 0x3244u : 0x1044u;
 }
 
 __device__ __forceinline__ float warp_sum(float s) {
@@ -376,11 +417,17 @@ struct row_batch {
                                         Store store) {
     const int lane = threadIdx.x & 31;
     float part[kRows];
+    [[maybe_unused]] unsigned sel[kPer];
+    if constexpr (std::is_same_v<E, std::uint32_t>) bounds_selectors(q, sel);
 #pragma unroll
     for (int u = 0; u < kRows; ++u) {
-      float x[kPer];
-      widen<kPer>(v[u], x);
-      part[u] = base + u * kStride < count ? lane_dot(q, x) : 0.0f;
+      if constexpr (std::is_same_v<E, std::uint32_t>) {
+        part[u] = base + u * kStride < count ? lane_bounds(q, sel, v[u]) : 0.0f;
+      } else {
+        float x[kPer];
+        widen<kPer>(v[u], x);
+        part[u] = base + u * kStride < count ? lane_dot(q, x) : 0.0f;
+      }
     }
     const float s = warp_sum_rows(part);  // lane l: row l / kPer of the batch
     const int r = base + lane / kPer * kStride;
@@ -920,8 +967,9 @@ __device__ __forceinline__ void warp_rank_place(const topk_key* survivors, int n
 /// writes the outputs. Wide: the kernel that can
 /// rank more than kFilterMaxCandidates candidates or keep more than
 /// kFilterMaxK (block_topk); the narrow one ranks by the filter alone.
-/// SumT: the fine stage's rows, float (the contract) or bf16 (the cache's
-/// rounded copies, config.slice_summary_type = bf16).
+/// SumT: the fine stage's rows, float (the contract), bf16 (the cache's
+/// rounded copies, config.slice_summary_type = bf16) or std::uint32_t (the
+/// cache's key bounds, config.fine_score = key_bounds).
 template <class Q, int D, int S, bool Wide, class SumT>
 __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_selection_kernel(const __grid_constant__ decode_params<Q> p) {
   using cluster = cluster_ops<S>;
@@ -1070,12 +1118,14 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   const SumT* fine_base;
   if constexpr (std::is_same_v<SumT, float>) {
     fine_base = slice_base;
-  } else {
+  } else if constexpr (std::is_same_v<SumT, __nv_bfloat16>) {
     fine_base = in.slice_sums_bf16 + slice_offset;
+  } else {
+    fine_base = in.slice_bounds + slice_offset;
   }
   score_rows<D, S, SumT>(
       candidates, qsum, slice_of, [&](int sl) { return fine_base + sl * head_stride; },
-      1.0f / static_cast<float>(F),
+      std::is_same_v<SumT, std::uint32_t> ? 1.0f : 1.0f / static_cast<float>(F),  // bounds: no mean
       [&](int c, float s) {
         cluster::peer(fine_scores, 0u)[c] = s;
         if (by_groups) batch_max = make_key(s, c);
@@ -1181,14 +1231,20 @@ inline selection_smem plan_selection_smem(const SparseAttentionConfig& cfg, std:
   return s;
 }
 
+/// What the fine stage's rows are (decode_selection_kernel's SumT).
+enum class fine_rows { fp32_sums, bf16_sums, key_bounds };
+
+template <class Q, int D, int S, class SumT>
+auto* selection_kernel(bool wide) {
+  return wide ? &decode_selection_kernel<Q, D, S, true, SumT> : &decode_selection_kernel<Q, D, S, false, SumT>;
+}
+
 template <class Q, int D, int S>
-status launch_selection(const decode_params<Q>& p, bool wide, bool bf16_rows, int kv_heads, int batch,
+status launch_selection(const decode_params<Q>& p, bool wide, fine_rows rows, int kv_heads, int batch,
                         cudaStream_t stream) {
-  using bf16 = __nv_bfloat16;
-  auto* kernel = bf16_rows ? (wide ? &decode_selection_kernel<Q, D, S, true, bf16>
-                                   : &decode_selection_kernel<Q, D, S, false, bf16>)
-                           : (wide ? &decode_selection_kernel<Q, D, S, true, float>
-                                   : &decode_selection_kernel<Q, D, S, false, float>);
+  auto* kernel = rows == fine_rows::bf16_sums    ? selection_kernel<Q, D, S, __nv_bfloat16>(wide)
+                 : rows == fine_rows::key_bounds ? selection_kernel<Q, D, S, std::uint32_t>(wide)
+                                                 : selection_kernel<Q, D, S, float>(wide);
   // Every launch (a cheap host call): the static shared memory counts toward
   // the 48 KB default too, so "dynamic > 48 KB" is not the test.
   HISPARSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p.smem.bytes));
@@ -1216,9 +1272,9 @@ status launch_selection(const decode_params<Q>& p, bool wide, bool bf16_rows, in
 }
 
 template <class Q, int D>
-status launch_selection(const decode_params<Q>& p, bool wide, bool bf16_rows, int kv_heads, int batch,
+status launch_selection(const decode_params<Q>& p, bool wide, fine_rows rows, int kv_heads, int batch,
                         cudaStream_t stream) {
-  if (!p.in.use_clusters) return launch_selection<Q, D, 1>(p, wide, bf16_rows, kv_heads, batch, stream);
+  if (!p.in.use_clusters) return launch_selection<Q, D, 1>(p, wide, rows, kv_heads, batch, stream);
   // Clusters where the loaded build is sm_90 or newer (a build without sm_90
   // code runs the single-CTA kernel on an H100). The narrow and wide kernels
   // are built for the same architectures.
@@ -1227,8 +1283,8 @@ status launch_selection(const decode_params<Q>& p, bool wide, bool bf16_rows, in
     void (*kernel)(decode_params<Q>) = &decode_selection_kernel<Q, D, kSelectCluster, false, float>;
     return hisparse::detail::kernel_built_for_sm90(reinterpret_cast<const void*>(kernel));
   });
-  return clusters ? launch_selection<Q, D, kSelectCluster>(p, wide, bf16_rows, kv_heads, batch, stream)
-                  : launch_selection<Q, D, 1>(p, wide, bf16_rows, kv_heads, batch, stream);
+  return clusters ? launch_selection<Q, D, kSelectCluster>(p, wide, rows, kv_heads, batch, stream)
+                  : launch_selection<Q, D, 1>(p, wide, rows, kv_heads, batch, stream);
 }
 
 /// The checks decode and prefill selection share: the layer, and that the
@@ -1271,6 +1327,9 @@ template <class Q>
   if (cfg.slice_summary_type == dtype::bf16 && a.slice_sums_bf16 == nullptr)
     return bad("the config's slice_summary_type is bf16 and the cache keeps no bf16 slice sums "
                "(paged_kv_cache_options::bf16_slice_sums)");
+  if (cfg.fine_score == slice_score::key_bounds && a.slice_bounds == nullptr)
+    return bad("the config's fine_score is key_bounds and the cache keeps no slice key bounds "
+               "(paged_kv_cache_options::slice_key_bounds)");
   return detail::check_summaries(cfg, a, a.layer, "decode");
 }
 
@@ -1297,11 +1356,14 @@ template <class Q>
   smem.partial = smem.bytes;
   smem.bytes += detail::kPartialBytes;
   const detail::decode_params<Q> p{a, out, cfg.window, cfg.top_k_coarse, cfg.top_k_fine, smem};
-  const bool bf16_rows = cfg.slice_summary_type == dtype::bf16;
+  using detail::fine_rows;
+  const fine_rows rows = cfg.fine_score == slice_score::key_bounds ? fine_rows::key_bounds
+                         : cfg.slice_summary_type == dtype::bf16   ? fine_rows::bf16_sums
+                                                                   : fine_rows::fp32_sums;
   switch (a.head_dim) {
-    case 64: return detail::launch_selection<Q, 64>(p, wide, bf16_rows, a.kv_heads, a.batch, stream);
-    case 128: return detail::launch_selection<Q, 128>(p, wide, bf16_rows, a.kv_heads, a.batch, stream);
-    default: return detail::launch_selection<Q, 256>(p, wide, bf16_rows, a.kv_heads, a.batch, stream);
+    case 64: return detail::launch_selection<Q, 64>(p, wide, rows, a.kv_heads, a.batch, stream);
+    case 128: return detail::launch_selection<Q, 128>(p, wide, rows, a.kv_heads, a.batch, stream);
+    default: return detail::launch_selection<Q, 256>(p, wide, rows, a.kv_heads, a.batch, stream);
   }
 }
 
