@@ -49,8 +49,8 @@ TEST_CASE("every invalid config field is rejected with its name", "[config]") {
       {"score_type", [](auto& c) { c.score_type = dtype::fp16; }},
       {"slice_summary_type", [](auto& c) { c.slice_summary_type = dtype::fp16; }},
       {"slice_summary_type", [](auto& c) { c.slice_summary_type = dtype::fp64; }},
-      {"slice_score", [](auto& c) { c.fine_score = static_cast<slice_score>(7); }},
-      {"slice_score", [](auto& c) { c.fine_score = slice_score::key_bounds; c.slice_summary_type = dtype::bf16; }},
+      {"fine_score", [](auto& c) { c.fine_score = static_cast<slice_score>(7); }},
+      {"fine_score", [](auto& c) { c.fine_score = slice_score::key_bounds; c.slice_summary_type = dtype::bf16; }},
   };
   for (const auto& bc : cases) {
     SparseAttentionConfig c;

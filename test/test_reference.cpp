@@ -180,9 +180,21 @@ TEST_CASE("key bounds: outward bf16 words, the bound score, and the slice it kee
   REQUIRE(bounds.size() == 39 * 64 * 2);
   CHECK(bounds[(10 * 64 + 7) * 2] == key_bounds_lo(key_bounds_word(-1.0f / 15.0f, 0.0f)));
   CHECK(bounds[(10 * 64 + 7) * 2 + 1] == 2.0);
-  // Blocks and prefill keep their means: the policy is the decode fine filter's.
-  CHECK(r.tiles[0].blocks[0].kept == reference::decode(SparseAttentionConfig{64, 128, 16, 3, 1, 8}, shape, s.view())
-                                         .tiles[0].blocks[0].kept);
+  // Blocks keep their means: kept one at a time, block 0 (mean 0.25 / 8)
+  // beats block 1 (slice 10's mean 1/16, over 8), which bounds would keep.
+  SparseAttentionConfig one_block = c;
+  one_block.top_k_coarse = 1;
+  const auto rb = reference::decode(one_block, shape, s.view());
+  CHECK(rb.tiles[0].blocks[0].kept == std::vector<std::int32_t>{0});
+  CHECK(rb.tiles[0].slices[0].kept == std::vector<std::int32_t>{2});
+  // Prefill scores means under the policy: the policy is the decode fine
+  // filter's. The last tile's selection is the decode's under means.
+  random_sequence<float> tail(shape, 700, 696, 4, 5);  // one tile, [696, 700): ws = 624 again
+  tail.keys = s.keys;
+  for (auto& x : tail.queries) x = 1.0f;
+  const auto pre = reference::prefill(c, shape, tail.view());
+  REQUIRE(pre.tiles.size() == 1);
+  CHECK(pre.tiles[0].slices[0].kept == std::vector<std::int32_t>{2});
 }
 
 TEST_CASE("prefill matches brute force with max-over-tile pooling", "[reference]") {

@@ -47,12 +47,12 @@ enum class config_error : std::uint8_t {
   query_tile_must_be_in_1_to_kMaxQueryTile,
   score_type_must_be_fp32_or_wider,
   slice_summary_type_must_be_fp32_or_bf16,
-  slice_score_must_be_mean_or_key_bounds,
-  key_bounds_need_slice_summary_type_fp32,
   num_q_heads_must_be_in_1_to_kMaxHeads,
   num_kv_heads_must_be_in_1_to_kMaxHeads,
   num_q_heads_must_be_a_multiple_of_num_kv_heads,
   head_dim_must_be_64_128_or_256,
+  fine_score_must_be_mean_or_key_bounds,
+  key_bounds_need_slice_summary_type_fp32,
 };
 
 /// The field a `config_error` is about, and the rule it breaks, in words.
@@ -85,10 +85,6 @@ struct config_error_info {
               "must be fp32 or fp64 (half-precision scores flip the top-k boundary)"};
     case config_error::slice_summary_type_must_be_fp32_or_bf16:
       return {"slice_summary_type", "must be fp32 or bf16"};
-    case config_error::slice_score_must_be_mean_or_key_bounds:
-      return {"slice_score", "must be mean or key_bounds"};
-    case config_error::key_bounds_need_slice_summary_type_fp32:
-      return {"slice_score", "key_bounds reads no slice sums: slice_summary_type must stay fp32"};
     case config_error::num_q_heads_must_be_in_1_to_kMaxHeads:
       return {"num_q_heads", "must be in [1, 1024]"};
     case config_error::num_kv_heads_must_be_in_1_to_kMaxHeads:
@@ -97,6 +93,10 @@ struct config_error_info {
       return {"num_q_heads", "must be a multiple of num_kv_heads"};
     case config_error::head_dim_must_be_64_128_or_256:
       return {"head_dim", "must be 64, 128 or 256"};
+    case config_error::fine_score_must_be_mean_or_key_bounds:
+      return {"fine_score", "must be mean or key_bounds"};
+    case config_error::key_bounds_need_slice_summary_type_fp32:
+      return {"fine_score", "key_bounds reads no slice sums: slice_summary_type must stay fp32"};
   }
   return {"?", "unknown error"};
 }
@@ -107,7 +107,8 @@ struct config_error_info {
 ///    sum_g q_g and [lo_d, hi_d] the slice's key range in dimension d (bf16,
 ///    rounded outward: `key_bounds_word`), the score is sum_d Q_d b_d with
 ///    b_d = hi_d where Q_d >= 0, else lo_d: an upper bound of Q . k over the
-///    slice's keys (IEEE products: 0 * inf is NaN). A mean dilutes one
+///    slice's keys (IEEE products: 0 * inf is NaN; fp32 keys beyond bf16's
+///    range give infinite bounds). A mean dilutes one
 ///    strong key 64-fold; a bound does not, which is what keeps the slices
 ///    holding the first or last few tokens of a needle. Same bytes as fp32
 ///    means (one 32-bit word a dimension). Blocks keep their means, and
@@ -159,7 +160,7 @@ struct SparseAttentionConfig {
     if (slice_summary_type != dtype::fp32 && slice_summary_type != dtype::bf16)
       return config_error::slice_summary_type_must_be_fp32_or_bf16;
     if (fine_score != slice_score::mean && fine_score != slice_score::key_bounds)
-      return config_error::slice_score_must_be_mean_or_key_bounds;
+      return config_error::fine_score_must_be_mean_or_key_bounds;
     if (fine_score == slice_score::key_bounds && slice_summary_type != dtype::fp32)
       return config_error::key_bounds_need_slice_summary_type_fp32;
     return config_error::none;

@@ -112,13 +112,15 @@ HISPARSE_HOST_DEVICE inline float bits_float(std::uint32_t b) {
 HISPARSE_HOST_DEVICE inline std::uint32_t bf16_bits_directed(float x, bool up) {
   const std::uint32_t b = float_bits(x);
   if ((b & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
-  // A zero bound is -0 below and +0 above, whichever zero the keys held, so
-  // the word does not depend on the order a min or max met them.
-  if ((b & 0x7fffffffu) == 0) return up ? 0x0000u : 0x8000u;
   const std::uint32_t t = b >> 16;
-  if ((b & 0xffffu) == 0) return t;  // exact
   const bool negative = (b >> 31) != 0;
-  return up != negative ? t + 1 : t;  // away from zero when that is the direction asked
+  // Exact, or toward zero unless away from it is the direction asked.
+  const std::uint32_t r = (b & 0xffffu) == 0 || up == negative ? t : t + 1;
+  // A zero bound is -0 below and +0 above, whichever zero the keys held or a
+  // tiny value rounded to, so the word does not depend on the order a min or
+  // max met them, and rounding a bound again leaves it as it is.
+  if ((r & 0x7fffu) == 0) return up ? 0x0000u : 0x8000u;
+  return r;
 }
 HISPARSE_HOST_DEVICE inline std::uint32_t key_bounds_word(float lo, float hi) {
   if (lo != lo || hi != hi) return 0x7fc07fc0u;

@@ -183,7 +183,7 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_con
   constexpr int kPer = 16 / sizeof(T);  // elements per 16-byte vector
   // [rows_per_pass][head_dim] fp32 partial sums, then, with key bounds, the
   // row groups' minima and maxima as T, [rows_per_pass][head_dim] each.
-  extern __shared__ float partial[];
+  extern __shared__ __align__(16) float partial[];
   __shared__ bool last_for_block;
 
   const append_desc* segs = b.inline_segments ? b.segs : b.segments;
@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_con
     if (b.slice_sums_bf16 != nullptr) b.slice_sums_bf16[slice_index + d] = __float2bfloat16_rn(sum);
     if (bounds) {
       // Decoding the stored word and rounding outward again is exact: the
-      // rounding is monotone and idempotent on bf16 values.
+      // rounding is monotone and leaves a rounded bound as it is (zeros too).
       float l = key_bounds_lo(old_bounds[i]), u = key_bounds_hi(old_bounds[i]);
       for (int j = 0; j < rows_per_pass; ++j) {
         l = nan_min(l, to_float(lo_part[j * D + d]));

@@ -7,8 +7,9 @@
 // presets (a forward runs one preset at a time, stream-ordered).
 //
 // Presets whose slice and block sizes differ from the cache's cannot run on
-// it (the summaries are built for one F and C); init skips them and forward
-// says why if one is asked for.
+// it (the summaries are built for one F and C), nor presets that read
+// summaries the cache does not keep (bf16 slice sums, slice key bounds);
+// init skips them and forward says why if one is asked for.
 
 #include <cstddef>
 #include <cstdint>
@@ -101,7 +102,7 @@ class sparse_attention_op {
     const auto it = ops_.find(f.preset);
     if (it == ops_.end())
       return fail(status::invalid_argument, "sparse_attention_op: preset " + std::to_string(static_cast<int>(f.preset)) +
-                                                " is unknown, or the cache cannot serve it (slice/block sizes, bf16 slice sums)");
+                                                " is unknown, or the cache cannot serve it (slice/block sizes, bf16 slice sums, slice key bounds)");
     if (f.batch < 1 || f.batch > init_.max_batch)
       return fail(status::invalid_argument, "sparse_attention_op: batch " + std::to_string(f.batch) +
                                                 " outside [1, " + std::to_string(init_.max_batch) + "]");
