@@ -25,8 +25,9 @@
 // tile on the tensor cores (mma.m16n8k16, fp32 accumulation):
 //  * scores S = Q K^T with the group's heads as the 8 live rows of A;
 //  * the output P V with the probabilities split into a high and a low half
-//    (P = hi + lo, both bf16/fp16) in A's two 8-row halves, so the product
-//    keeps ~16 bits of each probability, not 8;
+//    (P = hi + lo, both bf16/fp16; hi truncated, lo >= 0 and > 0 wherever P
+//    is, so an infinite value gives the infinity fp64 does) in A's two 8-row
+//    halves, so the product keeps ~16 bits of each probability, not 8;
 //  * an online softmax (exp2, fp32) per warp; the warps, then the CTAs, are
 //    merged by log-sum-exp.
 // The tiles are XOR-swizzled by 16-byte chunk so ldmatrix reads are free of
@@ -243,17 +244,34 @@ __device__ __forceinline__ unsigned pack2(float x, float y) {
     return *reinterpret_cast<const unsigned*>(&v);
   }
 }
-/// The rounding error of pack2's halves, as a second pair: x = hi + lo to
-/// about twice the type's precision.
+/// Two probabilities (>= 0) as a T pair truncated toward zero (x in the low
+/// half): the high half of P's split, whose residual is never negative.
+template <class T>
+__device__ __forceinline__ unsigned pack2_down(float x, float y) {
+  unsigned r;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm("cvt.rz.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(y), "f"(x));
+  } else {
+    asm("cvt.rz.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(y), "f"(x));
+  }
+  return r;
+}
+/// The residual of pack2_down's halves, rounded, as a second pair: x = hi +
+/// lo to about twice the type's precision. lo is >= 0, and > 0 wherever x
+/// is, so an infinite value times P is (hi + lo) inf = inf as in fp64, never
+/// inf - inf or 0 * inf. The floor: bf16's smallest normal (2^-126, far
+/// below any error that matters), fp16's smallest subnormal (2^-24, as
+/// coarse as fp16's own spacing down there).
 template <class T>
 __device__ __forceinline__ unsigned pack2_residual(float x, float y, unsigned hi) {
+  constexpr float kTiny = std::is_same_v<T, __nv_bfloat16> ? 0x1p-126f : 0x1p-24f;
+  float2 h;
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    const float2 h = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&hi));
-    return pack2<T>(x - h.x, y - h.y);
+    h = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&hi));
   } else {
-    const float2 h = __half22float2(*reinterpret_cast<const __half2*>(&hi));
-    return pack2<T>(x - h.x, y - h.y);
+    h = __half22float2(*reinterpret_cast<const __half2*>(&hi));
   }
+  return pack2<T>(fmaxf(x - h.x, x > 0.0f ? kTiny : 0.0f), fmaxf(y - h.y, y > 0.0f ? kTiny : 0.0f));
 }
 
 /// Grid: x = split, y = KV head * head_splits + head split, z = batch row.
@@ -511,9 +529,9 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
     // O = O corr + P V: P's high half in A's rows 0-7, its rounding error in
     // rows 8-15; the two halves of each output are added.
     unsigned pa[4];
-    pa[0] = pack2<T>(pr[0][0], pr[0][1]);
+    pa[0] = pack2_down<T>(pr[0][0], pr[0][1]);
     pa[1] = pack2_residual<T>(pr[0][0], pr[0][1], pa[0]);
-    pa[2] = pack2<T>(pr[1][0], pr[1][1]);
+    pa[2] = pack2_down<T>(pr[1][0], pr[1][1]);
     pa[3] = pack2_residual<T>(pr[1][0], pr[1][1], pa[2]);
 #pragma unroll
     for (int n2 = 0; n2 < kNTiles / 2; ++n2) {
