@@ -126,9 +126,14 @@ __device__ __forceinline__ void accumulate(float* acc, const uint4& v) {
 }
 
 // Min and max that keep a NaN once seen (fminf and fmaxf drop it): a NaN key
-// must mark its dimension's bounds, not vanish.
+// must mark its dimension's bounds, not vanish. 16-bit pairs take one
+// instruction each.
 __device__ __forceinline__ float nan_min(float m, float x) { return x < m || x != x ? x : m; }
 __device__ __forceinline__ float nan_max(float m, float x) { return x > m || x != x ? x : m; }
+__device__ __forceinline__ __half2 nan_min(__half2 m, __half2 x) { return __hmin2_nan(m, x); }
+__device__ __forceinline__ __half2 nan_max(__half2 m, __half2 x) { return __hmax2_nan(m, x); }
+__device__ __forceinline__ __nv_bfloat162 nan_min(__nv_bfloat162 m, __nv_bfloat162 x) { return __hmin2_nan(m, x); }
+__device__ __forceinline__ __nv_bfloat162 nan_max(__nv_bfloat162 m, __nv_bfloat162 x) { return __hmax2_nan(m, x); }
 
 template <class T>
 __device__ __forceinline__ uint4 splat(T x) {
@@ -141,36 +146,24 @@ __device__ __forceinline__ uint4 splat(T x) {
 }
 
 /// Widens the running key bounds lo and hi (packed like v, in T: the min and
-/// max of T values are T values, and 16-bit pairs take one instruction) by
-/// the keys in v.
+/// max of T values are T values) by the keys in v, four 32-bit lanes at a
+/// time (a 16-bit pair or a float).
 template <class T>
 __device__ __forceinline__ void widen_bounds(uint4& lo, uint4& hi, const uint4& v) {
-  if constexpr (sizeof(T) == 2) {
-    using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
-    T2 l[4], u[4], e[4];
-    std::memcpy(l, &lo, 16);
-    std::memcpy(u, &hi, 16);
-    std::memcpy(e, &v, 16);
+  using E = std::conditional_t<std::is_same_v<T, __half>, __half2,
+                               std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, float>>;
+  static_assert(sizeof(E) == 4, "widen_bounds takes 16-bit or 32-bit keys");
+  E l[4], u[4], e[4];
+  std::memcpy(l, &lo, 16);
+  std::memcpy(u, &hi, 16);
+  std::memcpy(e, &v, 16);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      l[i] = __hmin2_nan(l[i], e[i]);
-      u[i] = __hmax2_nan(u[i], e[i]);
-    }
-    std::memcpy(&lo, l, 16);
-    std::memcpy(&hi, u, 16);
-  } else {
-    float l[4], u[4], e[4];
-    std::memcpy(l, &lo, 16);
-    std::memcpy(u, &hi, 16);
-    std::memcpy(e, &v, 16);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      l[i] = nan_min(l[i], e[i]);
-      u[i] = nan_max(u[i], e[i]);
-    }
-    std::memcpy(&lo, l, 16);
-    std::memcpy(&hi, u, 16);
+  for (int i = 0; i < 4; ++i) {
+    l[i] = nan_min(l[i], e[i]);
+    u[i] = nan_max(u[i], e[i]);
   }
+  std::memcpy(&lo, l, 16);
+  std::memcpy(&hi, u, 16);
 }
 
 /// Grid: x = every slice touched by the batch, y = KV head. Each CTA copies
