@@ -55,7 +55,8 @@ problem<T> make_problem(const attention_shape& shape, const SparseAttentionConfi
   return p;
 }
 
-/// Cache options that fit the problem: one slot per sequence.
+/// Cache options that fit the problem: one slot per sequence, and the
+/// summaries its config reads.
 template <class T>
 kv::paged_kv_cache_options cache_options(const problem<T>& p, std::int64_t max_context) {
   kv::paged_kv_cache_options o;
@@ -65,6 +66,9 @@ kv::paged_kv_cache_options cache_options(const problem<T>& p, std::int64_t max_c
   o.coarse_block = p.cfg.coarse_block;
   o.max_sequences = static_cast<int>(p.lengths.size());
   o.max_context = max_context;
+  // What the config's decode fine filter reads beyond the fp32 sums.
+  o.bf16_slice_sums = p.cfg.slice_summary_type == dtype::bf16;
+  o.slice_key_bounds = p.cfg.fine_score == slice_score::key_bounds;
   return o;
 }
 

@@ -310,20 +310,18 @@ TEMPLATE_TEST_CASE("sparse decode step matches fp64 attention over its selection
 
 namespace {
 /// The step on a preset that reads more than the cache's fp32 sums, from a
-/// cache that `keep` makes keep them: against fp64 and the reference's
-/// selection, and through the adapter (which serves the preset from this
-/// cache, not from one without them: the tests below) with the same result.
-template <class T, class Keep>
-void check_preset_step(preset_id id, Keep keep) {
+/// cache that keeps them: against fp64 and the reference's selection, and
+/// through the adapter (which serves the preset from this cache, not from
+/// one without them: the tests below) with the same result.
+template <class T>
+void check_preset_step(preset_id id) {
   const std::uint64_t seed = test::fresh_seed();
   INFO("seed " << seed);
   mr::device_pool_resource device;
   const SparseAttentionConfig cfg = preset_registry{}.get(id);
   const std::vector<std::int64_t> lengths{1, 575, 5000, 33 * 1024 + 17, 100003};
   const auto p = test::make_problem<T>({32, 8, 128}, cfg, lengths, seed);
-  auto o = test::cache_options(p, 100003);
-  keep(o);
-  kv::paged_kv_cache<T, mr::device_pool_resource> cache(device, o);
+  kv::paged_kv_cache<T, mr::device_pool_resource> cache(device, test::cache_options(p, 100003));
   const auto slots = test::fill(p, cache);
   const auto g = run_step(p, cache, slots);
   check_against_fp64(p, g, /*dense=*/false);
@@ -357,15 +355,13 @@ void check_preset_step(preset_id id, Keep keep) {
 TEMPLATE_TEST_CASE("sparse decode step on bf16 slice summaries (standard_bf16_summaries)", "[gpu][attention]",
                    __nv_bfloat16, __half) {
   HISPARSE_REQUIRE_GPU();
-  check_preset_step<TestType>(preset_id::standard_bf16_summaries,
-                              [](kv::paged_kv_cache_options& o) { o.bf16_slice_sums = true; });
+  check_preset_step<TestType>(preset_id::standard_bf16_summaries);
 }
 
 TEMPLATE_TEST_CASE("sparse decode step on slice key bounds (standard_key_bounds)", "[gpu][attention][bounds]",
                    __nv_bfloat16, __half) {
   HISPARSE_REQUIRE_GPU();
-  check_preset_step<TestType>(preset_id::standard_key_bounds,
-                              [](kv::paged_kv_cache_options& o) { o.slice_key_bounds = true; });
+  check_preset_step<TestType>(preset_id::standard_key_bounds);
 }
 
 TEST_CASE("sparse decode step across GQA 1/4/8, head_dim 64/128, batches 1/3/8", "[gpu][attention]") {

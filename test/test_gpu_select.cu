@@ -251,12 +251,6 @@ TEST_CASE("decode selection with GQA 1, 4, 8 and head_dim 64, 128, 256", "[gpu][
 }
 
 namespace {
-/// A cache for p that also keeps bf16 slice sums.
-kv::paged_kv_cache_options bf16_cache_options(const problem& p, std::int64_t max_context) {
-  auto o = cache_options(p, max_context);
-  o.bf16_slice_sums = true;
-  return o;
-}
 SparseAttentionConfig with_bf16_summaries(SparseAttentionConfig c) {
   c.slice_summary_type = dtype::bf16;
   return c;
@@ -273,7 +267,7 @@ TEST_CASE("decode selection on bf16 slice summaries matches the reference", "[gp
     REQUIRE(cfg.slice_summary_type == dtype::bf16);
     const std::vector<std::int64_t> lengths{1, 300, 575, 576, 1600, 5000, 33 * 1024 + 17, 100003};
     const problem p = make_problem({32, 8, 128}, cfg, lengths, seed);
-    kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, bf16_cache_options(p, 100003));
+    kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, cache_options(p, 100003));
     check_problem_on_gpu(p, cache);
     // The cache's bf16 sums are its fp32 sums rounded to nearest even, bit
     // for bit, complete slices and the partial last one alike: after the
@@ -314,14 +308,14 @@ TEST_CASE("decode selection on bf16 slice summaries matches the reference", "[gp
       for (const int dim : {64, 128, 256}) {
         INFO("group " << group << ", head_dim " << dim);
         const problem p = make_problem({2 * group, 2, dim}, cfg, {1, 700, 5001, 20000, 40000}, seed + group * dim);
-        kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, bf16_cache_options(p, 40000));
+        kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, cache_options(p, 40000));
         check_problem_on_gpu(p, cache);
       }
   }
   SECTION("planted ties (exact in bf16) go to the lower index") {
     const SparseAttentionConfig c = with_bf16_summaries({512, 1024, 64, 3, 5, 1});
     const problem p = make_problem({4, 2, 64}, c, {10 * 1024 + 17, 40000}, 9, /*constant_keys=*/true);
-    kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, bf16_cache_options(p, 40000));
+    kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, cache_options(p, 40000));
     check_problem_on_gpu(p, cache, /*exact=*/true);
   }
 }
@@ -330,7 +324,7 @@ TEST_CASE("decode selection on bf16 slice summaries needs a cache that keeps the
   HISPARSE_REQUIRE_GPU();
   mr::device_pool_resource device;
   const SparseAttentionConfig cfg = with_bf16_summaries({});
-  const problem p = make_problem({32, 8, 128}, cfg, {5000}, 3);
+  const problem p = make_problem({32, 8, 128}, SparseAttentionConfig{}, {5000}, 3);  // its cache keeps no bf16 sums
   kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, cache_options(p, 5000));
   select::decode_selection_arguments<__nv_bfloat16> a;
   int dummy_slot = 0;
@@ -496,12 +490,6 @@ TEST_CASE("decode selection ranks NaN scores last and infinite ones as numbers",
 }
 
 namespace {
-/// A cache for p that also keeps slice key bounds, and p's config on them.
-kv::paged_kv_cache_options bounds_cache_options(const problem& p, std::int64_t max_context) {
-  auto o = cache_options(p, max_context);
-  o.slice_key_bounds = true;
-  return o;
-}
 SparseAttentionConfig with_key_bounds(SparseAttentionConfig c) {
   c.fine_score = slice_score::key_bounds;
   return c;
@@ -518,7 +506,7 @@ TEST_CASE("decode selection on slice key bounds matches the reference", "[gpu][s
     const SparseAttentionConfig cfg = preset_registry{}.get(preset_id::standard_key_bounds);
     REQUIRE(cfg.fine_score == slice_score::key_bounds);
     const problem p = make_problem({32, 8, 128}, cfg, {1, 300, 575, 576, 1600, 5000, 33 * 1024 + 17, 100003}, seed);
-    cache_t cache(device, bounds_cache_options(p, 100003));
+    cache_t cache(device, cache_options(p, 100003));
     check_problem_on_gpu(p, cache);
   }
   SECTION("head_dim 64, 128, 256 and GQA 1 and 8, several batches a warp") {
@@ -527,7 +515,7 @@ TEST_CASE("decode selection on slice key bounds matches the reference", "[gpu][s
       for (const int dim : {64, 128, 256}) {
         INFO("group " << group << ", head_dim " << dim);
         const problem p = make_problem({2 * group, 2, dim}, cfg, {1, 700, 5001, 20000, 40000}, seed + group * dim);
-        cache_t cache(device, bounds_cache_options(p, 40000));
+        cache_t cache(device, cache_options(p, 40000));
         check_problem_on_gpu(p, cache);
       }
   }
@@ -552,7 +540,7 @@ TEST_CASE("decode selection on slice key bounds matches the reference", "[gpu][s
       return std::find(first, last, 77) != last;
     };
     {
-      cache_t cache(device, bounds_cache_options(p, len));
+      cache_t cache(device, cache_options(p, len));
       const auto g = check_problem_on_gpu(p, cache);
       for (int h = 0; h < H; ++h) CHECK(kept_77(g, h));
     }
@@ -576,7 +564,7 @@ TEST_CASE("decode selection on slice key bounds matches the reference", "[gpu][s
     poison_slice(p, 5, nan);
     poison_slice(p, 200, inf);
     poison_slice(p, 300, -inf);
-    cache_t cache(device, bounds_cache_options(p, len));
+    cache_t cache(device, cache_options(p, len));
     const auto g = check_problem_on_gpu(p, cache, /*exact=*/true);
     for (int h = 0; h < p.shape.num_kv_heads; ++h) {
       const auto first = g.slices.begin() + h * p.cfg.top_k_fine, last = first + p.cfg.top_k_fine;
@@ -590,7 +578,7 @@ TEST_CASE("decode selection on slice key bounds needs a cache that keeps them", 
   HISPARSE_REQUIRE_GPU();
   mr::device_pool_resource device;
   const SparseAttentionConfig cfg = with_key_bounds({});
-  const problem p = make_problem({32, 8, 128}, cfg, {5000}, 3);
+  const problem p = make_problem({32, 8, 128}, SparseAttentionConfig{}, {5000}, 3);  // its cache keeps no bounds
   kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, cache_options(p, 5000));
   select::decode_selection_arguments<__nv_bfloat16> a;
   int dummy_slot = 0;
