@@ -996,3 +996,14 @@ template <class T, tile_policy Tile = kDecodeTile>
 }
 
 }  // namespace hisparse::attention
+
+/// `prefix template` of decode_attention_async for KV type T with the
+/// default tile (core/macros.hpp: HISPARSE_EXTERN_TEMPLATES).
+#define HISPARSE_DECODE_ATTENTION_INSTANCE(prefix, T)                                                         \
+  prefix template ::hisparse::status hisparse::attention::decode_attention_async<T, hisparse::attention::kDecodeTile>( \
+      const hisparse::attention::decode_attention_plan&, const hisparse::attention::decode_attention_arguments<T>&,   \
+      void*, cudaStream_t, bool);
+#if defined(HISPARSE_EXTERN_TEMPLATES)
+HISPARSE_DECODE_ATTENTION_INSTANCE(extern, __nv_bfloat16)
+HISPARSE_DECODE_ATTENTION_INSTANCE(extern, __half)
+#endif

@@ -1385,3 +1385,14 @@ struct decode_selection {
 };
 
 }  // namespace hisparse::select
+
+/// `prefix template` of select_decode_async for queries Q (core/macros.hpp:
+/// HISPARSE_EXTERN_TEMPLATES).
+#define HISPARSE_SELECT_DECODE_INSTANCE(prefix, Q)                                                        \
+  prefix template ::hisparse::status hisparse::select::select_decode_async<Q>(                          \
+      const ::hisparse::SparseAttentionConfig&, const ::hisparse::select::decode_selection_arguments<Q>&, \
+      const ::hisparse::select::decode_selection_output&, cudaStream_t);
+#if defined(HISPARSE_EXTERN_TEMPLATES)
+HISPARSE_SELECT_DECODE_INSTANCE(extern, __nv_bfloat16)
+HISPARSE_SELECT_DECODE_INSTANCE(extern, __half)
+#endif

@@ -797,3 +797,14 @@ template <class Q>
 }
 
 }  // namespace hisparse::select
+
+/// `prefix template` of select_prefill_async for queries Q (core/macros.hpp:
+/// HISPARSE_EXTERN_TEMPLATES).
+#define HISPARSE_SELECT_PREFILL_INSTANCE(prefix, Q)                                                        \
+  prefix template ::hisparse::status hisparse::select::select_prefill_async<Q>(                          \
+      const ::hisparse::SparseAttentionConfig&, const ::hisparse::select::prefill_selection_arguments<Q>&, \
+      const ::hisparse::select::prefill_selection_output&, cudaStream_t);
+#if defined(HISPARSE_EXTERN_TEMPLATES)
+HISPARSE_SELECT_PREFILL_INSTANCE(extern, __nv_bfloat16)
+HISPARSE_SELECT_PREFILL_INSTANCE(extern, __half)
+#endif

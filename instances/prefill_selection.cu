@@ -1,0 +1,5 @@
+// See decode_selection_bf16.cu.
+#include "hisparse/select/prefill_selection.cuh"
+
+HISPARSE_SELECT_PREFILL_INSTANCE(, __nv_bfloat16)
+HISPARSE_SELECT_PREFILL_INSTANCE(, __half)
