@@ -353,7 +353,8 @@ TEST_CASE("device and pinned resources allocate usable memory", "[gpu][mr][expec
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
-TEMPLATE_TEST_CASE("the cache keeps every slice's key bounds exactly", "[gpu][kv]", __nv_bfloat16, __half) {
+TEMPLATE_TEST_CASE("the cache keeps every slice's key bounds exactly", "[gpu][kv]", __nv_bfloat16, __half,
+                   float) {
   HISPARSE_REQUIRE_GPU();
   const std::uint64_t seed = test::fresh_seed();
   INFO("seed " << seed);

@@ -555,21 +555,33 @@ TEST_CASE("decode selection on slice key bounds matches the reference", "[gpu][s
     // slice 5 NaN (NaN bounds: ranked last); +inf in one dimension of one
     // key of slice 200 (an infinite upper bound: ranked first); -inf there
     // in slice 300 (only its lower bound moves: it keeps its number, which
-    // the exact match against the reference checks).
+    // the exact match against the reference checks). And dimension 0 of
+    // every summed query is +0: +inf there in slice 339 (one of the four
+    // top-scoring slices 83, 211, 339, 467) meets a zero query, 0 * inf =
+    // NaN by the contract (the bound facing Q_d >= 0 is the maximum), so it
+    // ranks last; -inf there in slice 467 moves only its unused minimum.
     auto plain = [](int c) { return static_cast<float>(128 + (c * 37) % 128); };
     const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
     const std::int64_t len = 33300;
     problem p = make_problem({8, 2, 128}, with_key_bounds({}), {len}, 23);
+    const int H = p.shape.num_kv_heads, D = p.shape.head_dim, G = p.shape.group_size(), F = p.cfg.fine_slice;
+    for (int hg = 0; hg < H * G; ++hg) p.queries[static_cast<std::size_t>(hg * D)] = from_float<__nv_bfloat16>(0.0f);
     plant_slices(p, 512, plain);
     poison_slice(p, 5, nan);
     poison_slice(p, 200, inf);
     poison_slice(p, 300, -inf);
+    for (int h = 0; h < H; ++h) {
+      p.keys[0][static_cast<std::size_t>((339 * F * H + h) * D)] = from_float<__nv_bfloat16>(inf);
+      p.keys[0][static_cast<std::size_t>((467 * F * H + h) * D)] = from_float<__nv_bfloat16>(-inf);
+    }
     cache_t cache(device, cache_options(p, len));
     const auto g = check_problem_on_gpu(p, cache, /*exact=*/true);
-    for (int h = 0; h < p.shape.num_kv_heads; ++h) {
+    for (int h = 0; h < H; ++h) {
       const auto first = g.slices.begin() + h * p.cfg.top_k_fine, last = first + p.cfg.top_k_fine;
       CHECK(std::find(first, last, 200) != last);
       CHECK(std::find(first, last, 5) == last);
+      CHECK(std::find(first, last, 339) == last);
+      CHECK(std::find(first, last, 467) != last);
     }
   }
 }
