@@ -42,7 +42,8 @@ struct gpu_buffers {
 /// Appends `tokens` tokens to each of `batch` sequences per iteration (one
 /// layer), cycling the sequences when they fill up, and times the same bytes
 /// through cudaMemcpyAsync device-to-device for the in-run baseline.
-/// summaries: 0 none, 1 the fp32 sums, 2 those and their bf16 copies.
+/// summaries: 0 none, 1 the fp32 sums, 2 those and their bf16 copies, 3 the
+/// fp32 sums and the slice key bounds.
 void run_append(benchmark::State& state, int batch, std::int32_t tokens, int summaries) {
   const std::int64_t per_seq = std::max<std::int64_t>(std::int64_t{tokens} * 4, 8192);
   mr::device_pool_resource device;
@@ -53,6 +54,7 @@ void run_append(benchmark::State& state, int batch, std::int32_t tokens, int sum
   o.max_context = per_seq;
   o.maintain_summaries = summaries != 0;
   o.bf16_slice_sums = summaries == 2;
+  o.slice_key_bounds = summaries == 3;
   kv::paged_kv_cache<bf16, mr::device_pool_resource> cache(device, o);
   const std::size_t rows = static_cast<std::size_t>(batch) * tokens;
   const std::size_t elems = rows * kHeads * kDim;
@@ -177,9 +179,9 @@ void BM_page_pool_alloc_free(benchmark::State& state) {
 }  // namespace
 
 BENCHMARK(BM_append_decode)->ArgNames({"B", "summaries"})
-    ->ArgsProduct({{1, 8, 32}, {0, 1, 2}})->UseManualTime()->Iterations(2000)->Unit(benchmark::kMicrosecond);
+    ->ArgsProduct({{1, 8, 32}, {0, 1, 2, 3}})->UseManualTime()->Iterations(2000)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_append_prefill)->ArgNames({"T", "summaries"})
-    ->ArgsProduct({{1024, 4096, 16384, 65536}, {0, 1, 2}})->UseManualTime()->Iterations(200)
+    ->ArgsProduct({{1024, 4096, 16384, 65536}, {0, 1, 2, 3}})->UseManualTime()->Iterations(200)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_summary_overhead)->ArgNames({"B", "T"})
     ->Args({1, 1})->Args({8, 1})->Args({32, 1})->Args({1, 4096})->Args({1, 16384})->Args({1, 65536})
