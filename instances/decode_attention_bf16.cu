@@ -2,4 +2,3 @@
 #include "hisparse/attention/decode.cuh"
 
 HISPARSE_DECODE_ATTENTION_INSTANCE(, __nv_bfloat16)
-HISPARSE_DECODE_ATTENTION_INSTANCE(, __half)
