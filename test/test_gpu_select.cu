@@ -67,6 +67,8 @@ void check_set(const std::vector<std::int32_t>& got, const reference::scored_sel
   std::vector<std::int32_t> g;
   for (const auto x : got)
     if (x >= 0) g.push_back(x);
+  INFO("kept by the GPU: " << ::Catch::Detail::stringify(g));
+  for (const auto x : g) REQUIRE(static_cast<std::size_t>(x) < ref_score_of.size());  // a slice of the sequence
   REQUIRE(g.size() == ref.kept.size());
   if (g == ref.kept) return;
   double boundary = HUGE_VAL;  // the least kept score, in ref_score_of's terms
@@ -165,6 +167,8 @@ void compare(const problem& p, const gpu_result& g, int b, bool exact,
     if (exact || gbk == rb.kept) {
       REQUIRE(gbk == rb.kept);
       std::vector<std::int32_t> gsk(gs.begin(), gs.begin() + g.num_slices[at]);
+      INFO("kept slices: " << ::Catch::Detail::stringify(gsk));
+      for (const auto x : gsk) REQUIRE((x >= 0 && x < far_slices));
       if (exact) REQUIRE(gsk == rs.kept);
       REQUIRE(std::is_sorted(gsk.begin(), gsk.end()));
       if (!bf16_fine && !bounds_fine)
