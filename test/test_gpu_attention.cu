@@ -677,7 +677,7 @@ TEST_CASE("a sequence longer than the plan's max_items gets NaN output and LSE, 
   check_against_fp64(first, head, /*dense=*/true);
 }
 
-TEST_CASE("sparse attention over any kept list; a kept count past top_k_fine gives NaN, never a silent answer",
+TEST_CASE("sparse attention over any kept list: a kept count past top_k_fine gives NaN, never a silent answer",
           "[gpu][attention]") {
   HISPARSE_REQUIRE_GPU();
   const std::uint64_t seed = test::fresh_seed();
