@@ -1,4 +1,5 @@
-// core/ on the device: tensor views and dtype conversions agree with the host.
+// core/ and mr/ on the device: tensor views and dtype conversions agree with
+// the host; a device pool is destroyed only after the device's queued work.
 #include <catch2/catch.hpp>
 
 #include <vector>
@@ -7,6 +8,7 @@
 #include "hisparse/core/dtype.hpp"
 #include "hisparse/core/status.hpp"
 #include "hisparse/core/tensor_view.hpp"
+#include "hisparse/mr/device_pool_resource.hpp"
 #include "test_support.hpp"
 
 using namespace hisparse;
@@ -19,6 +21,13 @@ __global__ void transpose_convert(tensor_view<const __nv_bfloat16, 2> in, tensor
   if (i >= in.size()) return;
   const std::int64_t r = i / in.extent(1), c = i % in.extent(1);
   out(c, r) = to_float(in(r, c));
+}
+
+/// Keeps its stream busy for about `cycles` SM clocks.
+__global__ void spin(long long cycles) {
+  const long long start = clock64();
+  while (clock64() - start < cycles) {
+  }
 }
 }  // namespace
 
@@ -46,4 +55,29 @@ TEST_CASE("tensor views and bf16 conversion behave the same on the device", "[gp
   HISPARSE_CUDA_CHECK(cudaFree(d_out));
   for (int r = 0; r < rows; ++r)
     for (int c = 0; c < cols; ++c) REQUIRE(result[c * rows + r] == to_float(host[r * cols + c]));
+}
+
+TEST_CASE("a device pool is destroyed only after the device's queued work, frees included", "[gpu][mr]") {
+  HISPARSE_REQUIRE_GPU();
+  // Destroying a pool with frees still queued is legal CUDA, but with driver
+  // 580.159.04 that deferred release crashed a later cuStreamSynchronize
+  // when other processes used the GPU
+  // (bench/results/2026-12-01-h200-select-concurrent-crash); the resource
+  // waits instead. Here the free queues behind ~0.2 s of work, so without
+  // the wait the stream would still be busy after the destructor.
+  cudaStream_t stream = nullptr;
+  HISPARSE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  {
+    mr::device_pool_resource pool;
+    void* p = pool.allocate(std::size_t{1} << 20, stream);
+    spin<<<1, 1, 0, stream>>>(400'000'000);
+    HISPARSE_CUDA_CHECK(cudaGetLastError());
+    HISPARSE_CUDA_CHECK(cudaMemsetAsync(p, 0, std::size_t{1} << 20, stream));
+    pool.deallocate(p, std::size_t{1} << 20, stream);
+    REQUIRE(cudaStreamQuery(stream) == cudaErrorNotReady);  // the spin is still running
+  }
+  CHECK(cudaStreamQuery(stream) == cudaSuccess);
+  const cudaError_t last = cudaGetLastError();  // the query's NotReady above is not an error
+  CHECK((last == cudaSuccess || last == cudaErrorNotReady));
+  HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
 }

@@ -75,10 +75,21 @@ class device_pool_resource {
     return *this;
   }
 
-  /// Destroys the pool. Allocations still outstanding (or frees still queued)
-  /// keep their memory until they are freed: the runtime releases the pool
-  /// then. A failure here is not reported: a destructor has no caller to
-  /// report to, and at process exit the runtime may already be unloading.
+  /// Waits for the pool's device, then destroys the pool. Allocations still
+  /// outstanding keep their memory until they are freed: the runtime
+  /// releases the pool then.
+  ///
+  /// The wait (cudaDeviceSynchronize on the pool's device) is there because
+  /// CUDA allows destroying a pool whose frees are still queued, and with
+  /// driver 580.159.04 that deferred release crashed a later
+  /// cuStreamSynchronize inside libcuda (SIGSEGV or SIGFPE) whenever other
+  /// processes were using the GPU; with the wait it did not:
+  /// bench/results/2026-12-01-h200-select-concurrent-crash. Destroying a pool
+  /// is not on a hot path, but it does block until this process's work on
+  /// the device is done.
+  ///
+  /// A failure here is not reported: a destructor has no caller to report
+  /// to, and at process exit the runtime may already be unloading.
   ~device_pool_resource() { destroy(); }
 
   [[nodiscard]] void* allocate(std::size_t bytes, cudaStream_t stream) {
@@ -122,7 +133,13 @@ class device_pool_resource {
     return d;
   }
   void destroy() noexcept {
-    if (pool_ != nullptr) (void)cudaMemPoolDestroy(pool_);
+    if (pool_ == nullptr) return;
+    int current = -1;
+    const bool switch_device = cudaGetDevice(&current) == cudaSuccess && current != device_;
+    if (switch_device) (void)cudaSetDevice(device_);
+    (void)cudaDeviceSynchronize();  // no frees queued when the pool goes (see the destructor)
+    (void)cudaMemPoolDestroy(pool_);
+    if (switch_device) (void)cudaSetDevice(current);
     pool_ = nullptr;
   }
 
