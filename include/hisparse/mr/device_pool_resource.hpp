@@ -86,7 +86,8 @@ class device_pool_resource {
   /// processes were using the GPU; with the wait it did not:
   /// bench/results/2026-12-01-h200-select-concurrent-crash. Destroying a pool
   /// is not on a hot path, but it does block until this process's work on
-  /// the device is done.
+  /// the device is done, and it must not run while another thread captures
+  /// a CUDA graph in global mode (the wait would invalidate that capture).
   ///
   /// A failure here is not reported: a destructor has no caller to report
   /// to, and at process exit the runtime may already be unloading.
