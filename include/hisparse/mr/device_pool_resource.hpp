@@ -75,19 +75,23 @@ class device_pool_resource {
     return *this;
   }
 
-  /// Waits for the pool's device, then destroys the pool. Allocations still
-  /// outstanding keep their memory until they are freed: the runtime
-  /// releases the pool then.
+  /// Waits for the pool's device, then destroys the pool. Free every
+  /// allocation first: CUDA would release the pool when the last one is
+  /// freed, the deferred release that the driver gets wrong below (that
+  /// case itself has not been tried).
   ///
   /// The wait (cudaDeviceSynchronize on the pool's device) is there because
   /// CUDA allows destroying a pool whose frees are still queued, and with
-  /// driver 580.159.04 that deferred release crashed a later
-  /// cuStreamSynchronize inside libcuda (SIGSEGV or SIGFPE) whenever other
-  /// processes were using the GPU; with the wait it did not:
-  /// bench/results/2026-12-01-h200-select-concurrent-crash. Destroying a pool
-  /// is not on a hot path, but it does block until this process's work on
-  /// the device is done, and it must not run while another thread captures
-  /// a CUDA graph in global mode (the wait would invalidate that capture).
+  /// driver 580.159.04 synchronising their stream afterwards crashes inside
+  /// libcuda (SIGSEGV) every time; until then the pool's memory is not given
+  /// back. Under load the frees were often still queued, so the crash showed
+  /// up as test binaries dying beside other GPU processes. A 60-line
+  /// reproducer and the evidence:
+  /// bench/results/2026-12-01-h200-select-concurrent-crash. Destroying a
+  /// pool is not on a hot path, but it does block until this process's work
+  /// on the device is done, and it must not run while another thread
+  /// captures a CUDA graph in global mode (the wait would invalidate that
+  /// capture).
   ///
   /// A failure here is not reported: a destructor has no caller to report
   /// to, and at process exit the runtime may already be unloading.
