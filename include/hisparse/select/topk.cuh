@@ -36,6 +36,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include <cuda_runtime_api.h>
@@ -1034,10 +1035,16 @@ inline topk_plan plan_topk(int rows, int n, int k) {
 /// CUB-style two-phase temporary storage: with temp == nullptr, only sets
 /// temp_bytes (at least 1) and returns. Stream-ordered, never synchronizes,
 /// allocates nothing: capturable in a CUDA graph. 1 <= k <= 2048, any n >= 1.
-[[nodiscard]] inline status batched_topk(void* temp, std::size_t& temp_bytes, const float* scores,
+///
+/// A template (Score is float, never deduced), not an inline function: the
+/// kernels a non-template function names are compiled in every translation
+/// unit that includes this header, called or not.
+template <class Score = float>
+[[nodiscard]] status batched_topk(void* temp, std::size_t& temp_bytes, const Score* scores,
                                          std::int64_t row_stride, const std::int32_t* row_lengths, int rows, int n,
                                          int k, float* out_values, std::int32_t* out_indices,
                                          cudaStream_t stream = nullptr) {
+  static_assert(std::is_same_v<Score, float>, "batched_topk ranks fp32 scores");
   if (rows < 1 || n < 1 || n > (1 << 30))
     return fail(status::invalid_argument, "batched_topk: need rows >= 1 and 1 <= n <= 2^30 (got rows " +
                                               std::to_string(rows) + ", n " + std::to_string(n) + ")");
