@@ -10,6 +10,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include "hisparse/core/macros.hpp"
+
 namespace hisparse::detail {
 
 /// Whether the device runs a build of `kernel` compiled from sm_90+ PTX.

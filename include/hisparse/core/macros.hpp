@@ -3,6 +3,10 @@
 // units (g++) see the CUDA qualifiers as nothing, so host code can include the
 // same headers that kernels use.
 
+#if __cplusplus < 202002L
+#error "HiSparse needs C++20 (-std=c++20 for nvcc and the host compiler; CMake: link hisparse::hisparse, README says which CMake knows nvcc's C++20)"
+#endif
+
 #if defined(__CUDACC__) || defined(__CUDA_ARCH__)
 #define HISPARSE_HOST_DEVICE __host__ __device__
 #define HISPARSE_DEVICE __device__

@@ -16,6 +16,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include "hisparse/core/macros.hpp"
+
 namespace hisparse {
 
 enum class status : int {

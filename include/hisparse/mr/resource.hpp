@@ -40,6 +40,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include "hisparse/core/macros.hpp"
+
 namespace hisparse::mr {
 
 /// Alignment of every pointer a resource returns (see the contract above).
