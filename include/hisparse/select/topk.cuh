@@ -1040,7 +1040,7 @@ inline topk_plan plan_topk(int rows, int n, int k) {
 /// kernels a non-template function names are compiled in every translation
 /// unit that includes this header, called or not.
 template <class Score = float>
-[[nodiscard]] status batched_topk(void* temp, std::size_t& temp_bytes, const Score* scores,
+[[nodiscard]] status batched_topk(void* temp, std::size_t& temp_bytes, std::type_identity_t<const Score*> scores,
                                          std::int64_t row_stride, const std::int32_t* row_lengths, int rows, int n,
                                          int k, float* out_values, std::int32_t* out_indices,
                                          cudaStream_t stream = nullptr) {
