@@ -61,7 +61,7 @@ TEST_CASE("a device pool is destroyed only after the device's queued work, frees
   HISPARSE_REQUIRE_GPU();
   // Destroying a pool with frees still queued is legal CUDA, but with driver
   // 580.159.04 synchronising their stream afterwards crashes in libcuda
-  // (bench/results/2026-12-01-h200-select-concurrent-crash); the resource
+  // (git show 83d1d59:bench/results/2026-12-01-h200-select-concurrent-crash/README.md); the resource
   // waits instead. Here the free queues behind ~0.2 s of work, so without
   // the wait the stream would still be busy after the destructor.
   cudaStream_t stream = nullptr;

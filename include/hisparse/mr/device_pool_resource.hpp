@@ -85,13 +85,12 @@ class device_pool_resource {
   /// driver 580.159.04 synchronising their stream afterwards crashes inside
   /// libcuda (SIGSEGV) every time; until then the pool's memory is not given
   /// back. Under load the frees were often still queued, so the crash showed
-  /// up as test binaries dying beside other GPU processes. A 60-line
-  /// reproducer and the evidence:
-  /// bench/results/2026-12-01-h200-select-concurrent-crash. Destroying a
-  /// pool is not on a hot path, but it does block until this process's work
-  /// on the device is done, and it must not run while another thread
-  /// captures a CUDA graph in global mode (the wait would invalidate that
-  /// capture).
+  /// up as test binaries dying beside other GPU processes (reproducer:
+  /// `git show 83d1d59:bench/results/2026-12-01-h200-select-concurrent-crash/README.md`).
+  /// Destroying a pool is not on a hot path, but it does block until this
+  /// process's work on the device is done, and it must not run while another
+  /// thread captures a CUDA graph in global mode (the wait would invalidate
+  /// that capture).
   ///
   /// A failure here is not reported: a destructor has no caller to report
   /// to, and at process exit the runtime may already be unloading.

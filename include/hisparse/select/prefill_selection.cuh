@@ -113,10 +113,8 @@ struct prefill_selection_arguments : cache_summaries {  // (the cache's lengths 
   bool two_pass = true;
   /// Deepest candidate ring to use (1 or 2; the plan takes less where shared
   /// memory is short). 1, the default, leaves room for 3 CTAs per H200 SM
-  /// at head_dim 128 (2 with a 2-deep ring), and 3 resident CTAs hide the
-  /// loads better than the ring does: 7.88 against 8.90 ms at T = 256K
-  /// (bench/results/2026-11-30-h200-topk-prefill). An RTX 4090 fits one
-  /// stage only.
+  /// at head_dim 128, which hide the loads better than a 2-deep ring
+  /// (PERF_NOTES: Prefill selection). An RTX 4090 fits one stage only.
   int max_ring_stages = 1;
 };
 
