@@ -1,93 +1,101 @@
-// The decode step of the 7B GQA model (32 query heads, 8 KV heads,
-// head_dim 128, bf16 KV) over a paged cache: the sparse step (selection +
+// The decode step over a paged cache: the sparse step (selection +
 // attention, two launches), its attention alone, its selection alone, and
 // the dense baseline (the same attention kernel over every token), all timed
 // in the same run on the same cache. Steps are timed as CUDA-graph replays
 // of back-to-back steps (how a serving engine runs them) that cycle through
 // enough copies of the batch that every step reads HBM, as each layer of a
-// real step does (one batch replayed over and over, as until 2026-11-30,
-// times partly L2 hits: step_warm_us); the dense baseline, 0.3-9 ms per
-// step, eagerly. An in-run device-to-device copy gives the bandwidth
-// ceiling the attention is quoted against.
+// real step does (step_warm_us replays one batch, partly from L2); the dense
+// baseline, 0.3-9 ms per step, eagerly. An in-run device-to-device copy
+// gives the bandwidth ceiling the attention is quoted against.
+//
+// Axes from the command line (bench_main.hpp): --batch, --context,
+// --preset, --head_dim, --dtype; the defaults are the 7B GQA model's
+// (32 query heads, 8 KV heads, head_dim 128, bf16) at B = 1, 8, 32 and
+// T = 32K, 128K, 256K with the standard preset. An iteration is one replay
+// of the step graph; step_us is the median step.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <string>
 #include <vector>
 
+#include "bench_main.hpp"
 #include "bench_support.hpp"
 #include "hisparse/kv/paged_kv_cache.cuh"
 #include "hisparse/mr/device_pool_resource.hpp"
 #include "hisparse/runtime/hierarchical_attention.cuh"
-#include "hisparse/workload/synthetic.hpp"
+#include "workload/synthetic.hpp"
 
 namespace {
 
 using namespace hisparse;
-using bf16 = __nv_bfloat16;
-constexpr int kQHeads = 32, kKvHeads = 8, kDim = 128;
+constexpr int kQHeads = 32, kKvHeads = 8;
 constexpr int kReplays = 20;
+constexpr int kSideRuns = 30;  ///< replays of the attention-only, selection-only and warm graphs
 
 using bench::device_array;
 using bench::replay_graph;
 
 /// `copies` batches of `batch` sequences of `context` random tokens in a
-/// paged cache, filled in 16K-token chunks of fresh device-drawn normal
-/// samples; arguments(r) is batch r.
+/// paged cache built for `cfg` (its slice and block sizes and fine summary),
+/// filled in 16K-token chunks of fresh device-drawn normal samples (one
+/// chunk appended again and again would repeat every block score and
+/// inflate the ranking with ties); arguments(r) is batch r.
+template <class T>
 struct decode_fixture {
-  int batch;
+  int batch, dim;
   mr::device_pool_resource device;
-  kv::paged_kv_cache<bf16, mr::device_pool_resource> cache;
+  kv::paged_kv_cache<T, mr::device_pool_resource> cache;
   std::vector<std::int32_t> slots;
-  device_array<bf16> queries, out;
+  device_array<T> queries, out;
   device_array<float> lse;
   std::unique_ptr<device_array<std::int32_t>> d_slots;
 
-  static kv::paged_kv_cache_options options(int batch, std::int32_t context) {
+  static kv::paged_kv_cache_options options(const SparseAttentionConfig& cfg, int sequences, std::int32_t context,
+                                            int dim) {
     kv::paged_kv_cache_options o;
     o.num_kv_heads = kKvHeads;
-    o.head_dim = kDim;
-    o.max_sequences = batch;
+    o.head_dim = dim;
+    o.fine_slice = cfg.fine_slice;
+    o.coarse_block = cfg.coarse_block;
+    o.max_sequences = sequences;
     o.max_context = context;
-    o.bf16_slice_sums = true;   // for BM_decode_step_bf16_sums; unread by the fp32 configs
-    o.slice_key_bounds = true;  // for BM_decode_step_key_bounds; unread by the others
+    o.fine_summary = cfg.fine_summary;
     return o;
   }
 
-  decode_fixture(int batch_, std::int32_t context, int copies = 1)
+  decode_fixture(const SparseAttentionConfig& cfg, int batch_, std::int32_t context, int dim_, int copies = 1)
       : batch(batch_),
-        cache(device, options(batch_ * copies, context)),
-        queries(static_cast<std::size_t>(batch) * kQHeads * kDim),
-        out(static_cast<std::size_t>(batch) * kQHeads * kDim),
+        dim(dim_),
+        cache(device, options(cfg, batch_ * copies, context, dim_)),
+        queries(static_cast<std::size_t>(batch_) * kQHeads * dim_),
+        out(static_cast<std::size_t>(batch_) * kQHeads * dim_),
         lse(static_cast<std::size_t>(batch_) * kQHeads) {
-    // Random keys and values in 16K-token chunks drawn afresh on the device
-    // (one chunk appended again and again, as until 2026-11-30, repeats
-    // every block score 16 times at 256K and inflates the selection's
-    // ranking with ties).
     constexpr std::int32_t kChunk = 16384;
     workload::splitmix64 rng(3);
-    device_array<bf16> chunk(static_cast<std::size_t>(kChunk) * kKvHeads * kDim);
+    device_array<T> chunk(static_cast<std::size_t>(kChunk) * kKvHeads * dim);
     for (int b = 0; b < batch * copies; ++b) {
       int slot = 0;
       throw_if_error(cache.add_sequence(context, slot));
       slots.push_back(slot);
       for (std::int32_t done = 0; done < context; done += kChunk) {
         const std::int32_t n = std::min(kChunk, context - done);
-        bench::fill_normal(chunk.ptr, static_cast<std::size_t>(kChunk) * kKvHeads * kDim, rng.next());
+        bench::fill_normal(chunk.ptr, static_cast<std::size_t>(kChunk) * kKvHeads * dim, rng.next());
         throw_if_error(cache.append_async(0, std::vector<kv::append_segment>{{slot, 0, n}}, chunk.ptr, chunk.ptr,
                                           nullptr));
       }
     }
-    std::vector<bf16> q(static_cast<std::size_t>(batch) * kQHeads * kDim);
-    for (auto& x : q) x = from_float<bf16>(static_cast<float>(rng.normal()));
-    HISPARSE_CUDA_CHECK(cudaMemcpy(queries.ptr, q.data(), q.size() * sizeof(bf16), cudaMemcpyHostToDevice));
+    std::vector<T> q(static_cast<std::size_t>(batch) * kQHeads * dim);
+    for (auto& x : q) x = from_float<T>(static_cast<float>(rng.normal()));
+    HISPARSE_CUDA_CHECK(cudaMemcpy(queries.ptr, q.data(), q.size() * sizeof(T), cudaMemcpyHostToDevice));
     d_slots = std::make_unique<device_array<std::int32_t>>(slots);
     HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
-  decode_step_arguments<bf16> arguments(int copy = 0) const {
-    decode_step_arguments<bf16> a;
+  decode_step_arguments<T> arguments(int copy = 0) const {
+    decode_step_arguments<T> a;
     a.queries = queries.ptr;
     a.slots = d_slots->ptr + static_cast<std::size_t>(copy) * batch;
     a.batch = batch;
@@ -100,22 +108,23 @@ struct decode_fixture {
 };
 
 /// Copies of the batch a cold replay cycles through: the step reads the
-/// selection's summaries and the attended K/V (default config) per copy.
-int step_copies(int batch, std::int32_t context) {
-  const double blocks = std::ceil(context / 1024.0);
-  const double per_head = (std::min(blocks, 32.0) * 16.0 + blocks) * kDim * 4.0 +  // summaries
-                          std::min<double>(context, 16.0 * 64 + 512) * 2.0 * kDim * sizeof(bf16);
-  return bench::cold_copies(batch * kKvHeads * per_head, 4096.0 * batch * context);
+/// selection's summaries and the attended K/V per copy.
+int step_copies(const SparseAttentionConfig& cfg, int batch, std::int32_t context, int dim, int elem_bytes) {
+  const double blocks = std::ceil(static_cast<double>(context) / cfg.coarse_block);
+  const double per_head =
+      (std::min<double>(blocks, cfg.top_k_coarse) * cfg.slices_per_block() + blocks) * dim * 4.0 +  // summaries
+      std::min<double>(context, static_cast<double>(cfg.top_k_fine) * cfg.fine_slice + cfg.window) * 2.0 * dim * elem_bytes;
+  return bench::cold_copies(batch * kKvHeads * per_head, 2.0 * kKvHeads * dim * elem_bytes * batch * context);
 }
 
 /// One planned step per copy of the batch, each with its own workspace.
-template <tile_policy Tile = attention::kDecodeTile>
+template <class T, tile_policy Tile = attention::kDecodeTile>
 struct planned_steps {
-  std::vector<std::unique_ptr<hierarchical_decode<bf16, Tile>>> steps;
+  std::vector<std::unique_ptr<hierarchical_decode<T, Tile>>> steps;
   std::vector<std::unique_ptr<device_array<char>>> workspaces;
-  planned_steps(const SparseAttentionConfig& cfg, const decode_fixture& fx, int copies, cudaStream_t stream) {
+  planned_steps(const SparseAttentionConfig& cfg, const decode_fixture<T>& fx, int copies, cudaStream_t stream) {
     for (int r = 0; r < copies; ++r) {
-      steps.push_back(std::make_unique<hierarchical_decode<bf16, Tile>>(cfg));
+      steps.push_back(std::make_unique<hierarchical_decode<T, Tile>>(cfg));
       std::size_t bytes = 0;
       throw_if_error(steps.back()->workspace_bytes(fx.arguments(r), bytes));
       workspaces.push_back(std::make_unique<device_array<char>>(bytes));
@@ -124,8 +133,21 @@ struct planned_steps {
   }
   int copies() const { return static_cast<int>(steps.size()); }
   int launches() const { return std::max(kReplays, copies()); }
-  hierarchical_decode<bf16, Tile>& operator[](int i) { return *steps[static_cast<std::size_t>(i % copies())]; }
+  hierarchical_decode<T, Tile>& operator[](int i) { return *steps[static_cast<std::size_t>(i % copies())]; }
 };
+
+/// Replays `graph` once per benchmark iteration (the iteration's time: the
+/// whole replay, so --benchmark_min_time means what it says) and returns
+/// the per-step times.
+std::vector<double> time_replays(benchmark::State& state, const replay_graph& graph, bench::event_timer& timer,
+                                 cudaStream_t stream) {
+  std::vector<double> per_step;
+  for (auto _ : state) {
+    per_step.push_back(graph.step_seconds(timer, stream));
+    state.SetIterationTime(per_step.back() * graph.launches);
+  }
+  return per_step;
+}
 
 /// In-run copy ceiling: bytes moved (read + written) per second by a 1 GiB
 /// device-to-device copy.
@@ -141,19 +163,20 @@ double copy_bandwidth(bench::event_timer& timer, cudaStream_t stream) {
   return 2.0 * kBytes / bench::median(t);
 }
 
-void decode_step(benchmark::State& state, const SparseAttentionConfig& cfg) {
-  const int batch = static_cast<int>(state.range(0));
-  const auto context = static_cast<std::int32_t>(state.range(1));
-  const int copies = step_copies(batch, context);
-  decode_fixture fx(batch, context, copies);
+template <class T>
+void decode_step(benchmark::State& state, const SparseAttentionConfig& cfg, int batch, std::int32_t context,
+                 int dim) {
+  const int elem = static_cast<int>(sizeof(T));
+  const int copies = step_copies(cfg, batch, context, dim, elem);
+  decode_fixture<T> fx(cfg, batch, context, dim, copies);
   const auto args = fx.arguments();
   cudaStream_t stream = nullptr;
   HISPARSE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   bench::event_timer timer;
 
-  planned_steps<> steps(cfg, fx, copies, stream);
-  hierarchical_decode<bf16>& sparse = steps[0];
-  dense_decode<bf16> dense;
+  planned_steps<T> steps(cfg, fx, copies, stream);
+  hierarchical_decode<T>& sparse = steps[0];
+  dense_decode<T> dense;
   std::size_t dense_bytes = 0;
   throw_if_error(dense.workspace_bytes(args, dense_bytes));
   device_array<char> dense_ws(dense_bytes);
@@ -167,21 +190,20 @@ void decode_step(benchmark::State& state, const SparseAttentionConfig& cfg) {
   const replay_graph selection_only(stream, launches,
                                     [&](cudaStream_t s, int i) { throw_if_error(steps[i].run_selection(s)); });
 
-  std::vector<double> t_step, t_warm, t_attn, t_sel, t_eager, t_dense;
-  for (auto _ : state) {
-    t_step.push_back(step.step_seconds(timer, stream));
+  const std::vector<double> t_step = time_replays(state, step, timer, stream);
+  std::vector<double> t_warm, t_attn, t_sel, t_eager, t_dense;
+  for (int i = 0; i < kSideRuns; ++i) {
     t_warm.push_back(step_warm.step_seconds(timer, stream));
     t_attn.push_back(attention_only.step_seconds(timer, stream));
     t_sel.push_back(selection_only.step_seconds(timer, stream));
     t_eager.push_back(timer.seconds([&] { throw_if_error(sparse.run(stream)); }, stream));
-    state.SetIterationTime(t_step.back());
   }
   for (int i = 0; i < 5; ++i) t_dense.push_back(timer.seconds([&] { throw_if_error(dense.run(stream)); }, stream));
   const double copy = copy_bandwidth(timer, stream);
 
   // Bytes each stage must read. Selection: every candidate block's sum and
-  // the kept blocks' slice sums (fp32, or bf16); attention: K and V of the kept
-  // slices and the window; dense: K and V of every token.
+  // the kept blocks' fine summaries; attention: K and V of the kept slices
+  // and the window; dense: K and V of every token.
   std::vector<std::int32_t> num(static_cast<std::size_t>(batch) * kKvHeads), window(static_cast<std::size_t>(batch));
   HISPARSE_CUDA_CHECK(cudaMemcpy(num.data(), sparse.num_slices(), num.size() * 4, cudaMemcpyDeviceToHost));
   HISPARSE_CUDA_CHECK(cudaMemcpy(window.data(), sparse.window_begin(), window.size() * 4, cudaMemcpyDeviceToHost));
@@ -190,14 +212,14 @@ void decode_step(benchmark::State& state, const SparseAttentionConfig& cfg) {
     for (int h = 0; h < kKvHeads; ++h)
       attended += static_cast<double>(num[static_cast<std::size_t>(b * kKvHeads + h)]) * cfg.fine_slice +
                   (context - window[static_cast<std::size_t>(b)]);
-  const double kv_row = 2.0 * kDim * sizeof(bf16);  // K and V of one token of one head
+  const double kv_row = 2.0 * dim * elem;  // K and V of one token of one head
   const double attn_bytes = attended * kv_row;
   const double ws_before = window[0];
   const double blocks = std::ceil(ws_before / cfg.coarse_block);
-  const double slice_bytes = cfg.slice_summary_type == dtype::bf16 ? 2.0 : 4.0;
+  const double slice_bytes = cfg.fine_summary == fine_summary::mean_bf16 ? 2.0 : 4.0;
   const double sel_bytes =
       batch * kKvHeads *
-      (blocks * 4.0 + std::min<double>(cfg.top_k_coarse, blocks) * cfg.slices_per_block() * slice_bytes) * kDim;
+      (blocks * 4.0 + std::min<double>(cfg.top_k_coarse, blocks) * cfg.slices_per_block() * slice_bytes) * dim;
   const double dense_bytes_read = static_cast<double>(batch) * kKvHeads * context * kv_row;
 
   const double step_s = bench::median(t_step), attn_s = bench::median(t_attn), sel_s = bench::median(t_sel);
@@ -223,40 +245,23 @@ void decode_step(benchmark::State& state, const SparseAttentionConfig& cfg) {
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
-void BM_decode_step(benchmark::State& state) {
-  const preset_registry presets;
-  decode_step(state, presets.get(state.range(2) == 16 ? preset_id::standard : preset_id::high_recall));
-}
-
-/// The standard step with the fine filter on bf16 slice summaries.
-void BM_decode_step_bf16_sums(benchmark::State& state) {
-  decode_step(state, preset_registry{}.get(preset_id::standard_bf16_summaries));
-}
-
-/// The standard step with the fine filter on slice key bounds.
-void BM_decode_step_key_bounds(benchmark::State& state) {
-  decode_step(state, preset_registry{}.get(preset_id::standard_key_bounds));
-}
-
 /// The composed step with another attention tile policy (rows per stage,
-/// warps, stages): the sweep that picks kDecodeTile.
+/// warps, stages): the sweep that picks kDecodeTile (standard preset, bf16,
+/// head_dim 128).
 template <tile_policy Tile>
 void BM_step_tile(benchmark::State& state) {
+  using T = __nv_bfloat16;
   const int batch = static_cast<int>(state.range(0));
   const auto context = static_cast<std::int32_t>(state.range(1));
   const SparseAttentionConfig cfg = preset_registry{}.get(preset_id::standard);
-  const int copies = step_copies(batch, context);
-  decode_fixture fx(batch, context, copies);
+  const int copies = step_copies(cfg, batch, context, 128, 2);
+  decode_fixture<T> fx(cfg, batch, context, 128, copies);
   cudaStream_t stream = nullptr;
   HISPARSE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   bench::event_timer timer;
-  planned_steps<Tile> steps(cfg, fx, copies, stream);
+  planned_steps<T, Tile> steps(cfg, fx, copies, stream);
   const replay_graph step(stream, steps.launches(), [&](cudaStream_t s, int i) { throw_if_error(steps[i].run(s)); });
-  std::vector<double> t;
-  for (auto _ : state) {
-    t.push_back(step.step_seconds(timer, stream));
-    state.SetIterationTime(t.back());
-  }
+  const std::vector<double> t = time_replays(state, step, timer, stream);
   const auto& plan = steps[0].attention_plan();
   state.counters["step_us"] = bench::median(t) * 1e6;
   state.counters["splits"] = plan.splits;
@@ -271,24 +276,50 @@ inline constexpr tile_policy kTile64x4x4{1, 64, 4, 4};
 inline constexpr tile_policy kTile32x2x4{1, 32, 2, 4};
 inline constexpr tile_policy kTile128x8x2{1, 128, 8, 2};
 
+/// BM_decode_step/preset:P/dtype:E/D:d/B:b/T:t for every point of the sweep.
+void register_decode_steps(const bench::sweep& axes) {
+  const preset_registry presets;
+  for (const auto& name : axes.preset)
+    for (const auto& dtype : axes.dtype)
+      for (const auto d : axes.head_dim)
+        for (const auto b : axes.batch)
+          for (const auto t : axes.context) {
+            const SparseAttentionConfig cfg = presets.get(presets.find(name));
+            if (dtype != "bf16" && dtype != "fp16") throw error(status::invalid_argument, "--dtype: bf16 or fp16");
+            if (d != 64 && d != 128 && d != 256) throw error(status::invalid_argument, "--head_dim: 64, 128 or 256");
+            if (t > (std::int64_t{1} << 30)) throw error(status::invalid_argument, "--context: at most 2^30");
+            const std::string id = "BM_decode_step/preset:" + name + "/dtype:" + dtype + "/D:" + std::to_string(d) +
+                                   "/B:" + std::to_string(b) + "/T:" + std::to_string(t);
+            const int batch = static_cast<int>(b), dim = static_cast<int>(d);
+            const auto context = static_cast<std::int32_t>(t);
+            auto run = [=](benchmark::State& state) {
+              if (dtype == "bf16") {
+                decode_step<__nv_bfloat16>(state, cfg, batch, context, dim);
+              } else {
+                decode_step<__half>(state, cfg, batch, context, dim);
+              }
+            };
+            benchmark::RegisterBenchmark(id.c_str(), run)->UseManualTime()->Unit(benchmark::kMicrosecond);
+          }
+}
+
 }  // namespace
 
-BENCHMARK(BM_decode_step)->ArgNames({"B", "T", "topk"})
-    ->ArgsProduct({{1, 8, 32}, {32768, 131072, 262144}, {16}})
-    ->Args({8, 262144, 32})
-    ->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_decode_step_bf16_sums)->ArgNames({"B", "T"})
-    ->ArgsProduct({{1, 8, 32}, {32768, 131072, 262144}})
-    ->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_decode_step_key_bounds)->ArgNames({"B", "T"})
-    ->ArgsProduct({{1, 8, 32}, {32768, 131072, 262144}})
-    ->UseManualTime()->Iterations(30)->Unit(benchmark::kMicrosecond);
 #define HISPARSE_TILE_SWEEP(tile)                                                                          \
   BENCHMARK_TEMPLATE(BM_step_tile, tile)->ArgNames({"B", "T"})->ArgsProduct({{8, 32}, {262144}})->UseManualTime() \
-      ->Iterations(30)->Unit(benchmark::kMicrosecond)
+      ->Unit(benchmark::kMicrosecond)
 HISPARSE_TILE_SWEEP(kTile64x4x2);
 HISPARSE_TILE_SWEEP(kTile64x4x3);
 HISPARSE_TILE_SWEEP(kTile64x4x4);
 HISPARSE_TILE_SWEEP(kTile32x2x4);
 HISPARSE_TILE_SWEEP(kTile128x8x2);
-BENCHMARK_MAIN();
+
+int main(int argc, char** argv) {
+  bench::sweep defaults;
+  defaults.batch = {1, 8, 32};
+  defaults.context = {32768, 131072, 262144};
+  defaults.preset = {"standard"};
+  defaults.head_dim = {128};
+  defaults.dtype = {"bf16"};
+  return bench::run_main(argc, argv, defaults, register_decode_steps);
+}

@@ -9,7 +9,8 @@
 #include "hisparse/kv/paged_kv_cache.cuh"
 #include "hisparse/mr/device_pool_resource.hpp"
 #include "hisparse/mr/new_delete_resource.hpp"
-#include "hisparse/workload/synthetic.hpp"
+#include "workload/synthetic.hpp"
+#include "bench_main.hpp"
 #include "bench_support.hpp"
 
 namespace {
@@ -42,8 +43,8 @@ struct gpu_buffers {
 /// Appends `tokens` tokens to each of `batch` sequences per iteration (one
 /// layer), cycling the sequences when they fill up, and times the same bytes
 /// through cudaMemcpyAsync device-to-device for the in-run baseline.
-/// summaries: 0 none, 1 the fp32 sums, 2 those and their bf16 copies, 3 the
-/// fp32 sums and the slice key bounds.
+/// summaries: 0 none, 1 the fp32 sums, 2 those and the mean_bf16 fine
+/// summary, 3 the fp32 sums and the key_bounds one.
 void run_append(benchmark::State& state, int batch, std::int32_t tokens, int summaries) {
   const std::int64_t per_seq = std::max<std::int64_t>(std::int64_t{tokens} * 4, 8192);
   mr::device_pool_resource device;
@@ -53,8 +54,9 @@ void run_append(benchmark::State& state, int batch, std::int32_t tokens, int sum
   o.max_sequences = batch;
   o.max_context = per_seq;
   o.maintain_summaries = summaries != 0;
-  o.bf16_slice_sums = summaries == 2;
-  o.slice_key_bounds = summaries == 3;
+  o.fine_summary = summaries == 2   ? fine_summary::mean_bf16
+                   : summaries == 3 ? fine_summary::key_bounds
+                                    : fine_summary::mean;
   kv::paged_kv_cache<bf16, mr::device_pool_resource> cache(device, o);
   const std::size_t rows = static_cast<std::size_t>(batch) * tokens;
   const std::size_t elems = rows * kHeads * kDim;
@@ -179,12 +181,12 @@ void BM_page_pool_alloc_free(benchmark::State& state) {
 }  // namespace
 
 BENCHMARK(BM_append_decode)->ArgNames({"B", "summaries"})
-    ->ArgsProduct({{1, 8, 32}, {0, 1, 2, 3}})->UseManualTime()->Iterations(2000)->Unit(benchmark::kMicrosecond);
+    ->ArgsProduct({{1, 8, 32}, {0, 1, 2, 3}})->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_append_prefill)->ArgNames({"T", "summaries"})
-    ->ArgsProduct({{1024, 4096, 16384, 65536}, {0, 1, 2, 3}})->UseManualTime()->Iterations(200)
+    ->ArgsProduct({{1024, 4096, 16384, 65536}, {0, 1, 2, 3}})->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_summary_overhead)->ArgNames({"B", "T"})
     ->Args({1, 1})->Args({8, 1})->Args({32, 1})->Args({1, 4096})->Args({1, 16384})->Args({1, 65536})
-    ->UseManualTime()->Iterations(400)->Unit(benchmark::kMicrosecond);
+    ->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_page_pool_alloc_free)->ArgName("pages")->Arg(1)->Arg(16)->Arg(256);
-BENCHMARK_MAIN();
+int main(int argc, char** argv) { return hisparse::bench::run_main(argc, argv, {}, [](const auto&) {}); }

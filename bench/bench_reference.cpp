@@ -3,8 +3,10 @@
 // synthetic workload, for the 7B GQA model's shapes.
 #include <benchmark/benchmark.h>
 
+#include "bench_main.hpp"
+
 #include "hisparse/reference/sparse_attention.hpp"
-#include "hisparse/workload/synthetic.hpp"
+#include "workload/synthetic.hpp"
 
 namespace {
 
@@ -42,4 +44,4 @@ void BM_reference_dense_decode(benchmark::State& state) {
 
 BENCHMARK(BM_reference_sparse_decode)->ArgName("T")->Arg(8192)->Arg(65536)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_reference_dense_decode)->ArgName("T")->Arg(8192)->Arg(65536)->Unit(benchmark::kMillisecond);
-BENCHMARK_MAIN();
+int main(int argc, char** argv) { return hisparse::bench::run_main(argc, argv, {}, [](const auto&) {}); }

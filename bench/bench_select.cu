@@ -1,21 +1,24 @@
 // Decode selection (coarse + fine filter, one launch) over a paged KV cache,
-// for the 7B GQA model (32 query heads, 8 KV heads, head_dim 128, bf16) with
-// the default config. Timed as CUDA-graph replays (how a serving engine runs
-// a decode step) that cycle through enough copies of the batch that every
-// launch reads HBM, as each layer of a real step does; the same replays over
-// one copy (L2 hits, what this timed until 2026-11-30) and one eager launch
-// are counters beside it.
+// for the 7B GQA model (32 query heads, 8 KV heads, head_dim 128, bf16).
+// Timed as CUDA-graph replays (how a serving engine runs a decode step) that
+// cycle through enough copies of the batch that every launch reads HBM, as
+// each layer of a real step does; the same replays over one copy (L2 hits)
+// and one eager launch are counters beside it. Axes from the command line
+// (bench_main.hpp): --batch, --context, --preset. And prefill selection of
+// whole prompts.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "hisparse/kv/paged_kv_cache.cuh"
 #include "hisparse/mr/device_pool_resource.hpp"
 #include "hisparse/select/decode_selection.cuh"
 #include "hisparse/select/prefill_selection.cuh"
-#include "hisparse/workload/synthetic.hpp"
+#include "workload/synthetic.hpp"
 
+#include "bench_main.hpp"
 #include "bench_support.hpp"
 
 namespace {
@@ -28,14 +31,15 @@ using bench::device_array;
 
 using cache_type = kv::paged_kv_cache<bf16, mr::device_pool_resource>;
 
-kv::paged_kv_cache_options cache_options(int batch, std::int32_t context) {
+kv::paged_kv_cache_options cache_options(const SparseAttentionConfig& cfg, int batch, std::int32_t context) {
   kv::paged_kv_cache_options o;
   o.num_kv_heads = kKvHeads;
   o.head_dim = kDim;
+  o.fine_slice = cfg.fine_slice;
+  o.coarse_block = cfg.coarse_block;
   o.max_sequences = batch;
   o.max_context = context;
-  o.bf16_slice_sums = true;   // for BM_decode_selection_bf16_sums; unread by fp32 configs
-  o.slice_key_bounds = true;  // for BM_decode_selection_key_bounds; unread by the others
+  o.fine_summary = cfg.fine_summary;
   return o;
 }
 
@@ -66,21 +70,21 @@ std::vector<std::int32_t> fill_cache(cache_type& cache, int batch, std::int32_t 
   return slots;
 }
 
-void decode_selection(benchmark::State& state, const SparseAttentionConfig& cfg, float key_mean) {
-  const int batch = static_cast<int>(state.range(0));
-  const auto context = static_cast<std::int32_t>(state.range(1));
+void decode_selection(benchmark::State& state, const SparseAttentionConfig& cfg, int batch, std::int32_t context,
+                      float key_mean) {
   // Bytes a selection must read: every candidate block's sum, the kept
-  // blocks' slice sums (fp32, or bf16), the queries.
-  const double blocks = context / 1024.0;
-  const double slice_bytes = cfg.slice_summary_type == dtype::bf16 ? 2.0 : 4.0;
-  const double bytes = batch * kKvHeads * (blocks * 4.0 + cfg.top_k_coarse * 16.0 * slice_bytes) * kDim +
-                       batch * kQHeads * kDim * 2.0;
+  // blocks' fine summaries, the queries.
+  const double blocks = static_cast<double>(context) / cfg.coarse_block;
+  const double slice_bytes = cfg.fine_summary == fine_summary::mean_bf16 ? 2.0 : 4.0;
+  const double bytes =
+      batch * kKvHeads * (blocks * 4.0 + cfg.top_k_coarse * cfg.slices_per_block() * slice_bytes) * kDim +
+      batch * kQHeads * kDim * 2.0;
   // `copies` batches of sequences, launch i reads batch i % copies: every
   // launch reads HBM, as one layer of a decode step does (a cache of 4 KB of
   // K/V per token per sequence, summaries aside).
   const int copies = bench::cold_copies(bytes, 4096.0 * batch * context);
   mr::device_pool_resource device;
-  cache_type cache(device, cache_options(batch * copies, context));
+  cache_type cache(device, cache_options(cfg, batch * copies, context));
   workload::splitmix64 rng(3);
   const auto slots = fill_cache(cache, batch * copies, context, rng, key_mean);
   std::vector<bf16> q(static_cast<std::size_t>(batch) * kQHeads * kDim);
@@ -112,12 +116,16 @@ void decode_selection(benchmark::State& state, const SparseAttentionConfig& cfg,
     };
   };
   const bench::replay_graph cold(stream, std::max(20, copies), selections(copies)), warm(stream, 20, selections(1));
+  // An iteration is one cold replay (its whole time, so --benchmark_min_time
+  // means what it says); the eager and warm figures come from 30 more runs.
   std::vector<double> eager, t_cold, t_warm;
   for (auto _ : state) {
+    t_cold.push_back(cold.step_seconds(timer, stream));
+    state.SetIterationTime(t_cold.back() * cold.launches);
+  }
+  for (int i = 0; i < 30; ++i) {
     eager.push_back(timer.seconds([&] { throw_if_error(select::select_decode_async(cfg, a, out, stream)); }, stream));
     t_warm.push_back(warm.step_seconds(timer, stream));
-    t_cold.push_back(cold.step_seconds(timer, stream));
-    state.SetIterationTime(t_cold.back());
   }
   const double t_replay = bench::median(t_cold);
   state.counters["replay_us"] = t_replay * 1e6;
@@ -129,19 +137,6 @@ void decode_selection(benchmark::State& state, const SparseAttentionConfig& cfg,
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
-void BM_decode_selection(benchmark::State& state) {
-  decode_selection(state, SparseAttentionConfig{}, static_cast<float>(state.range(2)));
-}
-
-/// The same with the fine stage on bf16 slice summaries.
-void BM_decode_selection_bf16_sums(benchmark::State& state) {
-  decode_selection(state, preset_registry{}.get(preset_id::standard_bf16_summaries), 0.0f);
-}
-
-/// The same with the fine stage on slice key bounds.
-void BM_decode_selection_key_bounds(benchmark::State& state) {
-  decode_selection(state, preset_registry{}.get(preset_id::standard_key_bounds), 0.0f);
-}
 
 /// Prefill selection of a whole prompt of T tokens (every position a query,
 /// tiles of 64): one launch, CUDA events. `scoring`: 0 fp32 FMA on the CUDA
@@ -154,7 +149,7 @@ void BM_prefill_selection(benchmark::State& state) {
   const auto stages = static_cast<int>(state.range(2));
   const SparseAttentionConfig cfg;
   mr::device_pool_resource device;
-  cache_type cache(device, cache_options(1, context));
+  cache_type cache(device, cache_options(cfg, 1, context));
   workload::splitmix64 rng(5);
   const auto slots = fill_cache(cache, 1, context, rng);
   // Every position's queries (1G values at 256K): drawn on the device.
@@ -199,9 +194,8 @@ void BM_prefill_selection(benchmark::State& state) {
   double fma = 0;
   for (std::int32_t tile = 0; tile < tiles; ++tile) {
     const std::int64_t p0 = std::int64_t{tile} * cfg.query_tile;
-    const std::int64_t x = p0 - cfg.window + 1;
-    const std::int64_t ws = x <= 0 ? 0 : x / cfg.fine_slice * cfg.fine_slice;
-    const std::int64_t blocks = (ws + cfg.coarse_block - 1) / cfg.coarse_block;
+    const std::int64_t ws = contract::window_begin(p0, cfg.window, cfg.fine_slice);
+    const std::int64_t blocks = contract::candidate_blocks(ws, cfg.coarse_block);
     const std::int64_t fine = std::min<std::int64_t>(ws / cfg.fine_slice, std::int64_t{cfg.top_k_coarse} * 16);
     fma += static_cast<double>(cfg.query_tile) * (blocks + fine) * kDim * kKvHeads;
   }
@@ -211,21 +205,41 @@ void BM_prefill_selection(benchmark::State& state) {
   HISPARSE_CUDA_CHECK(cudaEventDestroy(stop));
 }
 
+/// BM_decode_selection/preset:P/B:b/T:t/key_mean:0 for every point of the
+/// sweep, and the standard preset at B = 8, T = 256K with key_mean 16: keys
+/// sharing a mean direction (as real keys often do) give fine scores with a
+/// spread under 1% of their common offset (~360 +- 3).
+void register_decode_selections(const bench::sweep& axes) {
+  const preset_registry presets;
+  auto add = [&](const std::string& name, std::int64_t b, std::int64_t t, int key_mean) {
+    const SparseAttentionConfig cfg = presets.get(presets.find(name));
+    const std::string id = "BM_decode_selection/preset:" + name + "/B:" + std::to_string(b) +
+                           "/T:" + std::to_string(t) + "/key_mean:" + std::to_string(key_mean);
+    benchmark::RegisterBenchmark(id.c_str(),
+                                 [=](benchmark::State& state) {
+                                   decode_selection(state, cfg, static_cast<int>(b), static_cast<std::int32_t>(t),
+                                                    static_cast<float>(key_mean));
+                                 })
+        ->UseManualTime()
+        ->Unit(benchmark::kMicrosecond);
+  };
+  for (const auto& name : axes.preset)
+    for (const auto b : axes.batch)
+      for (const auto t : axes.context) add(name, b, t, 0);
+  add("standard", 8, 262144, 16);
+}
+
 }  // namespace
 
+// Prefill selection: T:32768 and 262144, every scoring mode and ring depth.
 BENCHMARK(BM_prefill_selection)->ArgNames({"T", "scoring", "stages"})
     ->ArgsProduct({{32768, 262144}, {2, 1, 0}, {1, 2}})
-    ->UseManualTime()->Iterations(5)
-    ->Unit(benchmark::kMillisecond);
-// key_mean 16: keys sharing a mean direction (as real keys often do) give
-// fine scores with a spread under 1% of their common offset (~360 +- 3).
-BENCHMARK(BM_decode_selection)->ArgNames({"B", "T", "key_mean"})
-    ->ArgsProduct({{1, 8, 32}, {32768, 131072, 262144}, {0}})->Args({8, 262144, 16})->UseManualTime()->Iterations(100)
-    ->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_decode_selection_bf16_sums)->ArgNames({"B", "T"})
-    ->ArgsProduct({{1, 8, 32}, {32768, 131072, 262144}})->UseManualTime()->Iterations(100)
-    ->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_decode_selection_key_bounds)->ArgNames({"B", "T"})
-    ->ArgsProduct({{1, 8, 32}, {32768, 131072, 262144}})->UseManualTime()->Iterations(100)
-    ->Unit(benchmark::kMicrosecond);
-BENCHMARK_MAIN();
+    ->UseManualTime()->Unit(benchmark::kMillisecond);
+
+int main(int argc, char** argv) {
+  bench::sweep defaults;
+  defaults.batch = {1, 8, 32};
+  defaults.context = {32768, 131072, 262144};
+  defaults.preset = {"standard"};
+  return bench::run_main(argc, argv, defaults, register_decode_selections);
+}

@@ -6,6 +6,8 @@
 // time that read takes at the H200's 4.8 TB/s.
 #include <benchmark/benchmark.h>
 
+#include "bench_main.hpp"
+
 #include <algorithm>
 #include <array>
 #include <map>
@@ -17,7 +19,7 @@
 #include <cub/device/device_segmented_sort.cuh>
 
 #include "hisparse/select/topk.cuh"
-#include "hisparse/workload/synthetic.hpp"
+#include "workload/synthetic.hpp"
 #include "bench_support.hpp"
 
 namespace {
@@ -188,7 +190,7 @@ constexpr std::array<std::array<std::int64_t, 3>, 5> kShapes{{
 void topk_shapes(benchmark::internal::Benchmark* b) {
   b->ArgNames({"rows", "n", "k"});
   for (const auto& shape : kShapes) b->Args({shape[0], shape[1], shape[2]});
-  b->UseManualTime()->Iterations(100)->Unit(benchmark::kMicrosecond);
+  b->UseManualTime()->Unit(benchmark::kMicrosecond);
 }
 
 }  // namespace
@@ -196,4 +198,4 @@ void topk_shapes(benchmark::internal::Benchmark* b) {
 BENCHMARK(BM_hisparse_topk)->Apply(topk_shapes);
 BENCHMARK(BM_cub_segmented_sort)->Apply(topk_shapes);
 BENCHMARK(BM_cub_segmented_radix_sort)->Apply(topk_shapes);
-BENCHMARK_MAIN();
+int main(int argc, char** argv) { return hisparse::bench::run_main(argc, argv, {}, [](const auto&) {}); }

@@ -44,7 +44,7 @@
 #include "hisparse/mr/device_pool_resource.hpp"
 #include "hisparse/reference/sparse_attention.hpp"
 #include "hisparse/runtime/hierarchical_attention.cuh"
-#include "hisparse/workload/synthetic.hpp"
+#include "workload/synthetic.hpp"
 
 namespace {
 
@@ -205,8 +205,7 @@ void run_gpu(const options& opt, const hisparse::SparseAttentionConfig& cfg, con
     co.coarse_block = cfg.coarse_block;
     co.max_sequences = B;
     co.max_context = ctx;
-    co.bf16_slice_sums = cfg.slice_summary_type == dtype::bf16;  // standard_bf16_summaries
-    co.slice_key_bounds = cfg.fine_score == slice_score::key_bounds;  // standard_key_bounds
+    co.fine_summary = cfg.fine_summary;  // what the preset's decode fine filter reads
     kv::paged_kv_cache<bf16, mr::device_pool_resource> cache(device, co);
     device_array<bf16> k(w.keys.size()), v(w.values.size());
     k.upload(w.keys.data(), w.keys.size());

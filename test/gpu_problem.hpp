@@ -10,7 +10,7 @@
 #include "hisparse/config.hpp"
 #include "hisparse/kv/paged_kv_cache.cuh"
 #include "hisparse/reference/sparse_attention.hpp"
-#include "hisparse/workload/synthetic.hpp"
+#include "workload/synthetic.hpp"
 
 namespace hisparse::test {
 
@@ -66,9 +66,7 @@ kv::paged_kv_cache_options cache_options(const problem<T>& p, std::int64_t max_c
   o.coarse_block = p.cfg.coarse_block;
   o.max_sequences = static_cast<int>(p.lengths.size());
   o.max_context = max_context;
-  // What the config's decode fine filter reads beyond the fp32 sums.
-  o.bf16_slice_sums = p.cfg.slice_summary_type == dtype::bf16;
-  o.slice_key_bounds = p.cfg.fine_score == slice_score::key_bounds;
+  o.fine_summary = p.cfg.fine_summary;  // what the config's decode fine filter reads
   return o;
 }
 

@@ -21,9 +21,8 @@ TEST_CASE("the default config is DESIGN.md's", "[config]") {
   CHECK(c.top_k_coarse == 32);
   CHECK(c.top_k_fine == 16);
   CHECK(c.slices_per_block() == 16);
-  CHECK(c.score_type == dtype::fp32);
-  CHECK(c.slice_summary_type == dtype::fp32);
-  CHECK(c.fine_score == slice_score::mean);
+  CHECK(c.fine_summary == fine_summary::mean);
+  CHECK(c.fine_candidates() == 512);
   CHECK(check(c) == status::success);
 }
 
@@ -45,12 +44,11 @@ TEST_CASE("every invalid config field is rejected with its name", "[config]") {
       {"top_k_fine", [](auto& c) { c.top_k_coarse = 1; c.top_k_fine = 17; }},
       {"query_tile", [](auto& c) { c.query_tile = 0; }},
       {"query_tile", [](auto& c) { c.query_tile = 1000; }},
-      {"score_type", [](auto& c) { c.score_type = dtype::bf16; }},
-      {"score_type", [](auto& c) { c.score_type = dtype::fp16; }},
-      {"slice_summary_type", [](auto& c) { c.slice_summary_type = dtype::fp16; }},
-      {"slice_summary_type", [](auto& c) { c.slice_summary_type = dtype::fp64; }},
-      {"fine_score", [](auto& c) { c.fine_score = static_cast<slice_score>(7); }},
-      {"fine_score", [](auto& c) { c.fine_score = slice_score::key_bounds; c.slice_summary_type = dtype::bf16; }},
+      {"query_tile", [](auto& c) { c.query_tile = kMaxQueryTile + 1; }},  // more than a prefill CTA holds
+      {"fine_summary", [](auto& c) { c.fine_summary = static_cast<fine_summary>(7); }},
+      // More fine candidates than one selection stage ranks: 4096-token blocks of 16-token slices.
+      {"top_k_coarse", [](auto& c) { c.coarse_block = 4096; c.fine_slice = 16; }},
+      {"top_k_coarse", [](auto& c) { c.top_k_coarse = 257; }},  // 257 * 16 = 4112 candidates
   };
   for (const auto& bc : cases) {
     SparseAttentionConfig c;
@@ -91,6 +89,11 @@ TEST_CASE("check_problem rejects empty batches and overflowing contexts", "[conf
   CHECK_THAT(last_error(), Catch::Contains("int32"));
   CHECK(check_problem(c, attention_shape{32, 8, 100}, std::vector<std::int64_t>{8}) ==
         status::invalid_argument);
+  // At most kMaxCandidates coarse blocks a sequence: 4M tokens at C = 1024.
+  CHECK(check_problem(c, s, std::vector<std::int64_t>{std::int64_t{kMaxCandidates} * 1024}) == status::success);
+  CHECK(check_problem(c, s, std::vector<std::int64_t>{std::int64_t{kMaxCandidates} * 1024 + 1}) ==
+        status::invalid_argument);
+  CHECK_THAT(last_error(), Catch::Contains("more than 4096 coarse blocks"));
 }
 
 TEST_CASE("the preset registry maps ids to validated configs", "[config]") {
@@ -100,12 +103,12 @@ TEST_CASE("the preset registry maps ids to validated configs", "[config]") {
   CHECK(reg.find("short_context") == preset_id::short_context);
   // standard with the decode fine filter on bf16 slice sums, nothing else.
   SparseAttentionConfig bf16_sums;
-  bf16_sums.slice_summary_type = dtype::bf16;
+  bf16_sums.fine_summary = fine_summary::mean_bf16;
   CHECK(reg.get(preset_id::standard_bf16_summaries) == bf16_sums);
   CHECK(reg.find("standard_bf16_summaries") == preset_id::standard_bf16_summaries);
   // standard with the decode fine filter on slice key bounds, nothing else.
   SparseAttentionConfig bounds;
-  bounds.fine_score = slice_score::key_bounds;
+  bounds.fine_summary = fine_summary::key_bounds;
   CHECK(reg.get(preset_id::standard_key_bounds) == bounds);
   CHECK(reg.find("standard_key_bounds") == preset_id::standard_key_bounds);
   CHECK(reg.list().size() == std::size(kBuiltinPresets));
@@ -134,13 +137,37 @@ TEST_CASE("selection policies carry the config as compile-time values", "[policy
   STATIC_REQUIRE(p::kWindow == 512);
   STATIC_REQUIRE(p::kSlicesPerBlock == 16);
   STATIC_REQUIRE(p::kMaxAttended == 16 * 64 + 512 + 63 + 63);
-  STATIC_REQUIRE(std::is_same_v<p::score_type, float>);
-  using wide = selection_policy<SparseAttentionConfig{256, 512, 32, 8, 8, 16, dtype::fp64}>;
-  STATIC_REQUIRE(std::is_same_v<wide::score_type, double>);
-  STATIC_REQUIRE(is_selection_policy<wide>::value);
+  STATIC_REQUIRE(p::kFineSummary == fine_summary::mean);
+  using bounds = selection_policy<SparseAttentionConfig{256, 512, 32, 8, 8, 16, fine_summary::key_bounds}>;
+  STATIC_REQUIRE(bounds::kFineSummary == fine_summary::key_bounds);
+  STATIC_REQUIRE(is_selection_policy<bounds>::value);
   STATIC_REQUIRE_FALSE(is_selection_policy<int>::value);
   // A runtime config matches its instantiation with ==, the dispatcher's test.
   CHECK(preset_registry{}.get(preset_id::standard) == p::config);
+}
+
+TEST_CASE("dispatch maps a built-in preset id to its compile-time policy", "[policy]") {
+  for (const auto& preset : kBuiltinPresets) {
+    INFO(preset.name);
+    SparseAttentionConfig seen{};
+    seen.window = -1;
+    REQUIRE(dispatch(preset.id, [&](auto policy) {
+              using P = decltype(policy);
+              STATIC_REQUIRE(is_selection_policy<P>::value);
+              seen = P::config;
+              return status::success;
+            }) == status::success);
+    CHECK(seen == preset.config);
+  }
+  // What the callable returns comes back; an unknown id calls nothing.
+  CHECK(dispatch(preset_id::high_recall, [](auto) { return status::unsupported; }) == status::unsupported);
+  bool called = false;
+  CHECK(dispatch(static_cast<preset_id>(200), [&](auto) {
+          called = true;
+          return status::success;
+        }) == status::invalid_argument);
+  CHECK_FALSE(called);
+  CHECK_THAT(last_error(), Catch::Contains("not a built-in preset"));
 }
 
 TEST_CASE("tile policies validate their fields", "[policy]") {
@@ -151,4 +178,11 @@ TEST_CASE("tile policies validate their fields", "[policy]") {
   CHECK(tile_policy{0, 64, 4, 2}.validate() == tile_error::block_q_must_be_in_1_to_256);
   CHECK(tile_policy{64, 64, 4, 9}.validate() == tile_error::stages_must_be_in_1_to_8);
   CHECK(tile_policy{64, 64, 8, 2}.threads() == 256);
+  // The decode attention's own rules, checked where a class names the tile.
+  STATIC_REQUIRE(valid_decode_tile_v<tile_policy{1, 64, 4, 3}>);
+  CHECK(tile_policy{1, 64, 4, 3}.validate_decode() == tile_error::none);
+  CHECK(tile_policy{2, 64, 4, 3}.validate_decode() == tile_error::decode_block_q_must_be_1);
+  CHECK(tile_policy{1, 48, 3, 3}.validate_decode() == tile_error::decode_warps_must_be_1_2_4_or_8);
+  CHECK(tile_policy{1, 32, 4, 3}.validate_decode() == tile_error::decode_block_kv_must_be_16_times_warps);
+  CHECK(tile_policy{1, 40, 4, 3}.validate_decode() == tile_error::block_kv_must_be_a_positive_multiple_of_16);
 }

@@ -269,25 +269,40 @@ inline bool gpu_has_clusters() {
   return gpu.cc_major >= 9;
 }
 
+/// Whether fp32 scoring may order a stage's boundary differently from the
+/// fp64 reference: the last kept and the best left-out score are within
+/// fp32 accumulation error of each other (scores are fp32 dot products of
+/// head_dim terms; 1e-4 of the stage's largest score covers them, and the
+/// mean_bf16 summaries' one-ulp rounding differences).
+inline bool near_tie(const reference::scored_selection& s) {
+  if (s.kept.empty() || !std::isfinite(s.best_rejected)) return false;
+  double last = std::numeric_limits<double>::infinity(), scale = std::abs(s.best_rejected);
+  for (const double x : s.kept_scores)
+    if (std::isfinite(x)) last = std::min(last, x), scale = std::max(scale, std::abs(x));
+  return std::isfinite(last) && last - s.best_rejected <= 1e-4 * std::max(scale, 1e-30);
+}
+
 /// Selected sets equal the reference's wherever no near-tie decides them;
 /// the selection tests pin that down in detail, here it is a guard that the
-/// step attends what the contract says.
+/// step attends what the contract says. A (sequence, KV head) may differ
+/// only where the reference's block or slice boundary is a near-tie (two
+/// such ties in one call are rare, not impossible: a count of differences
+/// allowed would fail then).
 template <class T>
 void check_selection_matches_reference(const test::problem<T>& p, const step_output& g) {
   const int Hkv = p.shape.num_kv_heads, kf = p.cfg.top_k_fine;
-  int equal = 0, total = 0;
   for (int b = 0; b < static_cast<int>(p.lengths.size()); ++b) {
     const auto r = reference::decode(p.cfg, p.shape, p.sequence(b));
     REQUIRE(g.window[static_cast<std::size_t>(b)] == r.tiles.at(0).window_begin);
     for (int h = 0; h < Hkv; ++h) {
       const auto at = static_cast<std::size_t>(b * Hkv + h);
       std::vector<std::int32_t> kept(g.kept.begin() + at * kf, g.kept.begin() + at * kf + g.num[at]);
-      equal += kept == r.tiles[0].slices[h].kept ? 1 : 0;
-      ++total;
+      if (kept == r.tiles[0].slices[h].kept) continue;
+      INFO("sequence " << b << ", KV head " << h << ": kept " << ::Catch::Detail::stringify(kept) << ", reference "
+                       << ::Catch::Detail::stringify(r.tiles[0].slices[h].kept));
+      CHECK((near_tie(r.tiles[0].blocks[h]) || near_tie(r.tiles[0].slices[h])));
     }
   }
-  // Random normal inputs: a near-tie at the boundary is rare, not impossible.
-  REQUIRE(equal >= total - 1);
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cache_download.hpp"
 #include "gpu_test.hpp"
 #include "hisparse/kv/paged_kv_cache.cuh"
 #include "hisparse/mr/device_pool_resource.hpp"
@@ -85,7 +86,7 @@ std::vector<std::uint32_t> expected_bounds(const std::vector<T>& keys, int heads
 template <class T, class Cache>
 void verify(const Cache& cache, const mirror<T>& m, int slot, int seq, int layer) {
   std::vector<T> k, v;
-  cache.download(slot, layer, k, v);
+  test::download_kv(cache.ref(), slot, layer, k, v);
   const auto& ek = m.keys[seq][layer];
   const auto& ev = m.values[seq][layer];
   REQUIRE(k.size() == ek.size());
@@ -93,7 +94,7 @@ void verify(const Cache& cache, const mirror<T>& m, int slot, int seq, int layer
   REQUIRE(std::memcmp(v.data(), ev.data(), v.size() * sizeof(T)) == 0);
   std::vector<float> slice_sums, block_sums;
   std::int32_t device_len = -1;
-  cache.download_summaries(slot, layer, slice_sums, block_sums, device_len);
+  test::download_summaries(cache.ref(), slot, layer, slice_sums, block_sums, device_len);
   const std::int64_t len = cache.length(slot, layer);
   REQUIRE(device_len == len);
   const auto& o = cache.options();
@@ -373,9 +374,9 @@ TEMPLATE_TEST_CASE("the cache keeps every slice's key bounds exactly", "[gpu][kv
     o.coarse_block = 256;
     o.max_sequences = kSeqs;
     o.max_context = 2048;
-    o.slice_key_bounds = true;
+    o.fine_summary = fine_summary::key_bounds;
     kv::paged_kv_cache<TestType, mr::device_pool_resource> cache(device, o);
-    REQUIRE(cache.ref().slice_bounds != nullptr);
+    REQUIRE(cache.ref().keeps(fine_summary::key_bounds));
     mirror<TestType> m(kSeqs, kLayers, H, D);
     std::vector<int> slot(kSeqs);
     for (auto& s : slot) REQUIRE(cache.add_sequence(2048, s) == status::success);
@@ -425,8 +426,7 @@ TEMPLATE_TEST_CASE("the cache keeps every slice's key bounds exactly", "[gpu][kv
       std::size_t nan_seen = 0, nan_expected = 0;
       for (int s = 0; s < kSeqs; ++s)
         for (int layer = 0; layer < kLayers; ++layer) {
-          std::vector<std::uint32_t> got;
-          cache.download_slice_bounds(slot[s], layer, got);
+          const auto got = test::download_fine_rows<fine_summary::key_bounds>(cache.ref(), slot[s], layer);
           const auto want = expected_bounds(m.keys[s][layer], H, D, F);
           REQUIRE(got.size() == want.size());
           std::size_t bad = 0, first = 0;
@@ -486,8 +486,7 @@ TEMPLATE_TEST_CASE("the cache keeps every slice's key bounds exactly", "[gpu][kv
     for (std::int32_t t = 64; t < 128; ++t) zeros.push_back({2, t, 1, 3, t % 2 == 0 ? 0.0f : -0.0f});
     append({1, 1, 150}, zeros);
     check("slot reuse");
-    std::vector<std::uint32_t> words;
-    cache.download_slice_bounds(slot[2], 0, words);
+    const auto words = test::download_fine_rows<fine_summary::key_bounds>(cache.ref(), slot[2], 0);
     CHECK(words[static_cast<std::size_t>((1 * H + 1) * D + 3)] == 0x00008000u);
   }
 }
@@ -500,12 +499,17 @@ TEST_CASE("slice key bounds need summaries and are kept only on request", "[gpu]
   o.max_sequences = 1;
   o.max_context = 256;
   cache_t plain(device, o);
-  CHECK(plain.ref().slice_bounds == nullptr);
+  CHECK(plain.ref().keeps(fine_summary::mean));
+  CHECK_FALSE(plain.ref().keeps(fine_summary::key_bounds));
+  CHECK_FALSE(plain.ref().keeps(fine_summary::mean_bf16));
   int a = 0;
   REQUIRE(plain.add_sequence(256, a) == status::success);
-  std::vector<std::uint32_t> words;
-  CHECK_THROWS_WITH(plain.download_slice_bounds(a, 0, words), Catch::Contains("keeps no slice key bounds"));
-  o.slice_key_bounds = true;
+  CHECK_THROWS_WITH(test::download_fine_rows<fine_summary::key_bounds>(plain.ref(), a, 0),
+                    Catch::Contains("keeps no key_bounds rows"));
+  o.fine_summary = fine_summary::key_bounds;
   o.maintain_summaries = false;
-  CHECK_THROWS_WITH(cache_t(device, o), Catch::Contains("slice_key_bounds needs maintain_summaries"));
+  CHECK_THROWS_WITH(cache_t(device, o), Catch::Contains("fine_summary key_bounds needs maintain_summaries"));
+  o.fine_summary = static_cast<fine_summary>(7);
+  o.maintain_summaries = true;
+  CHECK_THROWS_WITH(cache_t(device, o), Catch::Contains("fine_summary must be mean, mean_bf16 or key_bounds"));
 }

@@ -10,6 +10,7 @@
 #include <limits>
 #include <vector>
 
+#include "cache_download.hpp"
 #include "gpu_problem.hpp"
 #include "gpu_test.hpp"
 #include "hisparse/kv/paged_kv_cache.cuh"
@@ -102,14 +103,14 @@ void compare(const problem& p, const gpu_result& g, int b, bool exact,
   const auto& tile = r.tiles.at(0);
   REQUIRE(g.window[static_cast<std::size_t>(b)] == tile.window_begin);
   const auto means = reference::slice_means(seq.keys, p.cfg, tile.window_begin);
-  // What the fine stage scores: the same means, or (slice_summary_type =
-  // bf16) the cache's bf16-rounded sums over F. The reference rounds the
+  // What the fine stage scores: the same means, or (fine_summary =
+  // mean_bf16) the cache's bf16-rounded sums over F. The reference rounds the
   // exact sums, the cache its fp32 ones, so the two can sit one bf16 ulp
   // apart: the fine scores are checked against the cache's.
-  const bool bf16_fine = p.cfg.slice_summary_type == dtype::bf16;
-  // fine_score = key_bounds: the slices' key bounds, which for bf16 keys the
+  const bool bf16_fine = p.cfg.fine_summary == fine_summary::mean_bf16;
+  // fine_summary = key_bounds: the slices' key bounds, which for bf16 keys the
   // cache keeps exactly (test_gpu_kv checks its words bit for bit).
-  const bool bounds_fine = p.cfg.fine_score == slice_score::key_bounds;
+  const bool bounds_fine = p.cfg.fine_summary == fine_summary::key_bounds;
   const std::vector<double> bounds =
       bounds_fine ? reference::slice_key_bounds(seq.keys, p.cfg, tile.window_begin) : std::vector<double>{};
   const int G = p.shape.group_size(), D = p.shape.head_dim;
@@ -209,8 +210,8 @@ gpu_result check_problem_on_gpu(const problem& p, Cache& cache, bool exact = fal
   const auto g = run_selection(p, cache, slots, nullptr);
   for (int b = 0; b < static_cast<int>(p.lengths.size()); ++b) {
     std::vector<__nv_bfloat16> bf16_sums;
-    if (p.cfg.slice_summary_type == dtype::bf16)
-      cache.download_bf16_slice_sums(slots[static_cast<std::size_t>(b)], 0, bf16_sums);
+    if (p.cfg.fine_summary == fine_summary::mean_bf16)
+      bf16_sums = test::download_fine_rows<fine_summary::mean_bf16>(cache.ref(), slots[static_cast<std::size_t>(b)], 0);
     compare(p, g, b, exact, &bf16_sums);
   }
   // The single-CTA kernel (what sm_80/sm_89 run) selects exactly the same.
@@ -254,7 +255,7 @@ TEST_CASE("decode selection with GQA 1, 4, 8 and head_dim 64, 128, 256", "[gpu][
 
 namespace {
 SparseAttentionConfig with_bf16_summaries(SparseAttentionConfig c) {
-  c.slice_summary_type = dtype::bf16;
+  c.fine_summary = fine_summary::mean_bf16;
   return c;
 }
 }  // namespace
@@ -266,7 +267,7 @@ TEST_CASE("decode selection on bf16 slice summaries matches the reference", "[gp
   mr::device_pool_resource device;
   SECTION("the standard preset's config, lengths and edge cases") {
     const SparseAttentionConfig cfg = preset_registry{}.get(preset_id::standard_bf16_summaries);
-    REQUIRE(cfg.slice_summary_type == dtype::bf16);
+    REQUIRE(cfg.fine_summary == fine_summary::mean_bf16);
     const std::vector<std::int64_t> lengths{1, 300, 575, 576, 1600, 5000, 33 * 1024 + 17, 100003};
     const problem p = make_problem({32, 8, 128}, cfg, lengths, seed);
     kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, cache_options(p, 100003));
@@ -279,10 +280,9 @@ TEST_CASE("decode selection on bf16 slice summaries matches the reference", "[gp
     auto check_rounded = [&] {
       for (int b = 0; b < static_cast<int>(lengths.size()); ++b) {
         std::vector<float> sums, blocks;
-        std::vector<__nv_bfloat16> rounded;
         std::int32_t len = 0;
-        cache.download_summaries(b, 0, sums, blocks, len);
-        cache.download_bf16_slice_sums(b, 0, rounded);
+        test::download_summaries(cache.ref(), b, 0, sums, blocks, len);
+        const auto rounded = test::download_fine_rows<fine_summary::mean_bf16>(cache.ref(), b, 0);
         REQUIRE(rounded.size() == sums.size());
         for (std::size_t i = 0; i < sums.size(); ++i) {
           const __nv_bfloat16 want = __float2bfloat16_rn(sums[i]);
@@ -335,18 +335,21 @@ TEST_CASE("decode selection on bf16 slice summaries needs a cache that keeps the
   a.batch = 1;
   a.num_q_heads = 32;
   a.set_cache(cache.ref());
-  REQUIRE(a.slice_sums_bf16 == nullptr);
+  REQUIRE_FALSE(a.keeps(fine_summary::mean_bf16));
   const status st = select::can_implement_decode_selection(cfg, a);
   CHECK(st == status::invalid_argument);
-  CHECK_THAT(last_error(), Catch::Contains("bf16_slice_sums"));
-  a.slice_sums_bf16 = reinterpret_cast<const __nv_bfloat16*>(a.slice_sums);
+  CHECK_THAT(last_error(), Catch::Contains("fine_summary is mean_bf16 and the cache does not keep it"));
+  a.fine = fine_summary::mean_bf16;
+  a.fine_rows = a.slice_sums;  // any rows: the check reads no memory
   CHECK(select::can_implement_decode_selection(cfg, a) == status::success);
+  // The plain means need nothing beyond the sums, whatever else the cache keeps.
+  CHECK(select::can_implement_decode_selection(SparseAttentionConfig{}, a) == status::success);
   // And a cache cannot promise bf16 sums it would never write.
   auto o = cache_options(p, 5000);
-  o.bf16_slice_sums = true;
+  o.fine_summary = fine_summary::mean_bf16;
   o.maintain_summaries = false;
   using cache_t = kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource>;
-  CHECK_THROWS_WITH(cache_t(device, o), Catch::Contains("bf16_slice_sums needs maintain_summaries"));
+  CHECK_THROWS_WITH(cache_t(device, o), Catch::Contains("fine_summary mean_bf16 needs maintain_summaries"));
 }
 
 TEST_CASE("decode selection of keys that share a large mean", "[gpu][select]") {
@@ -493,7 +496,7 @@ TEST_CASE("decode selection ranks NaN scores last and infinite ones as numbers",
 
 namespace {
 SparseAttentionConfig with_key_bounds(SparseAttentionConfig c) {
-  c.fine_score = slice_score::key_bounds;
+  c.fine_summary = fine_summary::key_bounds;
   return c;
 }
 }  // namespace
@@ -506,7 +509,7 @@ TEST_CASE("decode selection on slice key bounds matches the reference", "[gpu][s
   using cache_t = kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource>;
   SECTION("the standard preset's config, lengths and edge cases") {
     const SparseAttentionConfig cfg = preset_registry{}.get(preset_id::standard_key_bounds);
-    REQUIRE(cfg.fine_score == slice_score::key_bounds);
+    REQUIRE(cfg.fine_summary == fine_summary::key_bounds);
     const problem p = make_problem({32, 8, 128}, cfg, {1, 300, 575, 576, 1600, 5000, 33 * 1024 + 17, 100003}, seed);
     cache_t cache(device, cache_options(p, 100003));
     check_problem_on_gpu(p, cache);
@@ -547,7 +550,7 @@ TEST_CASE("decode selection on slice key bounds matches the reference", "[gpu][s
       for (int h = 0; h < H; ++h) CHECK(kept_77(g, h));
     }
     problem means = p;
-    means.cfg.fine_score = slice_score::mean;
+    means.cfg.fine_summary = fine_summary::mean;
     cache_t cache(device, cache_options(means, len));
     const auto g = check_problem_on_gpu(means, cache);
     for (int h = 0; h < H; ++h) CHECK_FALSE(kept_77(g, h));
@@ -601,9 +604,9 @@ TEST_CASE("decode selection on slice key bounds needs a cache that keeps them", 
   a.batch = 1;
   a.num_q_heads = 32;
   a.set_cache(cache.ref());
-  REQUIRE(a.slice_bounds == nullptr);
+  REQUIRE_FALSE(a.keeps(fine_summary::key_bounds));
   CHECK(select::can_implement_decode_selection(cfg, a) == status::invalid_argument);
-  CHECK_THAT(last_error(), Catch::Contains("slice_key_bounds"));
+  CHECK_THAT(last_error(), Catch::Contains("paged_kv_cache_options::fine_summary is mean"));
 }
 
 TEST_CASE("wide top-k: the threshold filter up to k = 128, block_topk beyond", "[gpu][select]") {

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "hisparse/select/prefill_selection.cuh"
-#include "hisparse/workload/synthetic.hpp"
+#include "workload/synthetic.hpp"
 
 using namespace hisparse;
 
@@ -95,7 +95,8 @@ TEST_CASE("select_prefill_async rejects bad input before touching the device", "
   using outs = select::prefill_selection_output;
   rejects([](args& b, SparseAttentionConfig&, outs&) { b.num_tiles = 0; }, status::invalid_argument, "no segments");
   rejects([](args& b, SparseAttentionConfig&, outs&) { b.num_tiles = 70000; }, status::unsupported, "65535");
-  rejects([](args&, SparseAttentionConfig& c, outs&) { c.query_tile = 128; }, status::unsupported, "query_tile 128");
+  // Beyond what a CTA holds: the config itself is invalid (config.hpp's limits).
+  rejects([](args&, SparseAttentionConfig& c, outs&) { c.query_tile = 128; }, status::invalid_argument, "query_tile");
   rejects([](args& b, SparseAttentionConfig&, outs&) { b.queries = nullptr; }, status::invalid_argument,
           "must not be null");
   rejects([](args&, SparseAttentionConfig&, outs& o) { o.window_begin = nullptr; }, status::invalid_argument,
@@ -105,8 +106,8 @@ TEST_CASE("select_prefill_async rejects bad input before touching the device", "
           "slice/block sizes");
   rejects([](args& b, SparseAttentionConfig&, outs&) { b.max_blocks = 8192; }, status::unsupported,
           "4096 blocks");
-  rejects([](args&, SparseAttentionConfig& c, outs&) { c.top_k_coarse = 512; }, status::unsupported,
-          "4096 fine candidates");
+  rejects([](args&, SparseAttentionConfig& c, outs&) { c.top_k_coarse = 512; }, status::invalid_argument,
+          "top_k_coarse");
   rejects([](args& b, SparseAttentionConfig&, outs&) { b.num_q_heads = 12; }, status::invalid_argument,
           "num_q_heads");
 }

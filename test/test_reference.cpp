@@ -22,13 +22,13 @@ std::vector<int> as_int(const std::vector<std::int32_t>& v) { return {v.begin(),
 /// Checks every selection and every output row of `r` against brute force.
 template <class T>
 void check_against_brute_force(const random_sequence<T>& s, const SparseAttentionConfig& c,
-                               const reference::result& r, int query_tile, dtype fine_summaries = dtype::fp32) {
+                               const reference::result& r, int query_tile, fine_summary fine = fine_summary::mean) {
   const int hq = s.shape.num_q_heads, hkv = s.shape.num_kv_heads, dim = s.shape.head_dim;
   for (const auto& tile : r.tiles) {
     REQUIRE(tile.begin % query_tile == 0);
     REQUIRE(tile.window_begin == reference::window_begin(tile.begin, c));
     for (int h = 0; h < hkv; ++h) {
-      const auto [blocks, slices] = brute_select(s, c, tile.begin, tile.end, h, fine_summaries);
+      const auto [blocks, slices] = brute_select(s, c, tile.begin, tile.end, h, fine);
       REQUIRE(as_int(tile.blocks[h].kept) == blocks);
       REQUIRE(as_int(tile.slices[h].kept) == slices);
     }
@@ -107,9 +107,9 @@ TEST_CASE("decode on bf16 slice summaries matches brute force, and only its fine
   const std::uint64_t seed = fresh_seed();
   INFO("seed " << seed);
   SparseAttentionConfig c = small_config();
-  c.slice_summary_type = dtype::bf16;
+  c.fine_summary = fine_summary::mean_bf16;
   SparseAttentionConfig fp32 = c;
-  fp32.slice_summary_type = dtype::fp32;
+  fp32.fine_summary = fine_summary::mean;
   const attention_shape shape{4, 2, 64};
   for (const std::int64_t len : {700, 1031, 2049, 4100}) {
     INFO("length " << len);
@@ -118,7 +118,7 @@ TEST_CASE("decode on bf16 slice summaries matches brute force, and only its fine
     random_sequence<float> s(shape, len, len - 1, 1, seed + len);
     for (auto& k : s.keys) k += 3.0f;
     const auto r = reference::decode(c, shape, s.view());
-    check_against_brute_force(s, c, r, 1, dtype::bf16);
+    check_against_brute_force(s, c, r, 1, fine_summary::mean_bf16);
     const auto plain = reference::decode(fp32, shape, s.view());
     for (int h = 0; h < shape.num_kv_heads; ++h) REQUIRE(r.tiles[0].blocks[h].kept == plain.tiles[0].blocks[h].kept);
   }
@@ -137,7 +137,7 @@ TEST_CASE("bf16 slice summaries tie what fp32 tells apart, and the tie goes to t
       s.key(t, 0, d) = slice == 2 ? 1.0f : slice == 10 ? 1.0f + 0x1.0p-10f : 0.0f;
     }
   CHECK(reference::decode(c, shape, s.view()).tiles[0].slices[0].kept == std::vector<std::int32_t>{10});
-  c.slice_summary_type = dtype::bf16;
+  c.fine_summary = fine_summary::mean_bf16;
   CHECK(reference::decode(c, shape, s.view()).tiles[0].slices[0].kept == std::vector<std::int32_t>{2});
 }
 
@@ -172,7 +172,7 @@ TEST_CASE("key bounds: outward bf16 words, the bound score, and the slice it kee
     for (int d = 0; d < 64; ++d)
       s.key(t, 0, d) = t / 16 == 2 ? 0.25f : t / 16 == 10 ? (t == 160 ? 2.0f : -1.0f / 15.0f) : 0.0f;
   CHECK(reference::decode(c, shape, s.view()).tiles[0].slices[0].kept == std::vector<std::int32_t>{2});
-  c.fine_score = slice_score::key_bounds;
+  c.fine_summary = fine_summary::key_bounds;
   const auto r = reference::decode(c, shape, s.view());
   CHECK(r.tiles[0].slices[0].kept == std::vector<std::int32_t>{10});
   CHECK(r.tiles[0].slices[0].kept_scores[0] == 2.0 * 64 * 2.0);  // summed query 2, bound 2, 64 dimensions

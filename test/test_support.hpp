@@ -14,7 +14,7 @@
 
 #include "hisparse/config.hpp"
 #include "hisparse/reference/sparse_attention.hpp"
-#include "hisparse/workload/synthetic.hpp"
+#include "workload/synthetic.hpp"
 
 namespace hisparse::test {
 
@@ -96,10 +96,10 @@ template <class T>
 std::pair<std::vector<int>, std::vector<int>> brute_select(const random_sequence<T>& s,
                                                            const SparseAttentionConfig& c,
                                                            std::int64_t p0, std::int64_t p1, int h,
-                                                           dtype fine_summaries = dtype::fp32) {
-  // bf16 (a decode config's slice_summary_type): slices score their key sum
-  // rounded to fp32 and then bf16, over F. Prefill always scores fp32.
-  const bool bf16_fine = fine_summaries == dtype::bf16;
+                                                           fine_summary fine = fine_summary::mean) {
+  // mean_bf16 (a decode config's fine_summary): slices score their key sum
+  // rounded to fp32 and then bf16, over F. Prefill always scores fp32 means.
+  const bool bf16_fine = fine == fine_summary::mean_bf16;
   const int dim = s.shape.head_dim, group = s.shape.group_size();
   std::int64_t ws = p0 - c.window + 1;
   ws = ws <= 0 ? 0 : (ws / c.fine_slice) * c.fine_slice;

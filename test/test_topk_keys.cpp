@@ -11,7 +11,7 @@
 
 #include "hisparse/reference/sparse_attention.hpp"
 #include "hisparse/select/topk_keys.hpp"
-#include "hisparse/workload/synthetic.hpp"
+#include "workload/synthetic.hpp"
 #include "test_support.hpp"
 
 using namespace hisparse;

@@ -5,7 +5,7 @@
 #include <cmath>
 
 #include "hisparse/reference/sparse_attention.hpp"
-#include "hisparse/workload/synthetic.hpp"
+#include "workload/synthetic.hpp"
 
 using namespace hisparse;
 

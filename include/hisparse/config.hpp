@@ -30,8 +30,13 @@ inline constexpr std::int64_t kMaxContext = std::int64_t{1} << 30;
 inline constexpr int kMaxTopK = 2048;           ///< widest top-k the selection kernels take
 inline constexpr int kMaxWindow = 1 << 20;
 inline constexpr int kMaxCoarseBlock = 1 << 20;
-inline constexpr int kMaxQueryTile = 256;
+/// Queries one prefill tile holds: the rows of one CTA's score GEMM.
+inline constexpr int kMaxQueryTile = 64;
 inline constexpr int kMaxHeads = 1024;
+/// Candidates one selection stage ranks (its scores stay in one CTA's shared
+/// memory): the blocks of a sequence, so at most 4096 * coarse_block tokens
+/// of context, and the slices of the kept blocks, top_k_coarse * C / F.
+inline constexpr int kMaxCandidates = 4096;
 
 /// Every way a configuration or problem can be invalid. The enumerator names
 /// are what a failed compile-time check prints, so they say the rule.
@@ -44,15 +49,13 @@ enum class config_error : std::uint8_t {
   top_k_coarse_must_be_in_1_to_kMaxTopK,
   top_k_fine_must_be_in_1_to_kMaxTopK,
   top_k_fine_must_not_exceed_slices_of_kept_blocks,
+  fine_candidates_must_not_exceed_kMaxCandidates,
   query_tile_must_be_in_1_to_kMaxQueryTile,
-  score_type_must_be_fp32_or_wider,
-  slice_summary_type_must_be_fp32_or_bf16,
+  fine_summary_must_be_mean_mean_bf16_or_key_bounds,
   num_q_heads_must_be_in_1_to_kMaxHeads,
   num_kv_heads_must_be_in_1_to_kMaxHeads,
   num_q_heads_must_be_a_multiple_of_num_kv_heads,
   head_dim_must_be_64_128_or_256,
-  fine_score_must_be_mean_or_key_bounds,
-  key_bounds_need_slice_summary_type_fp32,
 };
 
 /// The field a `config_error` is about, and the rule it breaks, in words.
@@ -78,13 +81,14 @@ struct config_error_info {
     case config_error::top_k_fine_must_not_exceed_slices_of_kept_blocks:
       return {"top_k_fine",
               "must not exceed top_k_coarse * coarse_block / fine_slice (the candidate slices)"};
+    case config_error::fine_candidates_must_not_exceed_kMaxCandidates:
+      return {"top_k_coarse",
+              "times coarse_block / fine_slice (the fine stage's candidates) must be at most 4096, "
+              "what one selection stage ranks"};
     case config_error::query_tile_must_be_in_1_to_kMaxQueryTile:
-      return {"query_tile", "must be in [1, 256]"};
-    case config_error::score_type_must_be_fp32_or_wider:
-      return {"score_type",
-              "must be fp32 or fp64 (half-precision scores flip the top-k boundary)"};
-    case config_error::slice_summary_type_must_be_fp32_or_bf16:
-      return {"slice_summary_type", "must be fp32 or bf16"};
+      return {"query_tile", "must be in [1, 64] (the queries one prefill CTA holds)"};
+    case config_error::fine_summary_must_be_mean_mean_bf16_or_key_bounds:
+      return {"fine_summary", "must be mean, mean_bf16 or key_bounds"};
     case config_error::num_q_heads_must_be_in_1_to_kMaxHeads:
       return {"num_q_heads", "must be in [1, 1024]"};
     case config_error::num_kv_heads_must_be_in_1_to_kMaxHeads:
@@ -93,36 +97,39 @@ struct config_error_info {
       return {"num_q_heads", "must be a multiple of num_kv_heads"};
     case config_error::head_dim_must_be_64_128_or_256:
       return {"head_dim", "must be 64, 128 or 256"};
-    case config_error::fine_score_must_be_mean_or_key_bounds:
-      return {"fine_score", "must be mean or key_bounds"};
-    case config_error::key_bounds_need_slice_summary_type_fp32:
-      return {"fine_score", "key_bounds reads no slice sums: slice_summary_type must stay fp32"};
   }
   return {"?", "unknown error"};
 }
 
-/// What the decode fine filter scores a candidate slice by.
+/// What the decode fine filter scores a candidate slice by, and so which
+/// per-slice summary the cache keeps for it beside its fp32 key sums (which
+/// the blocks and prefill always read). Scores are fp32 in every case.
 ///  * mean: (sum_g q_g) . mean key, DESIGN.md section 1's contract.
-///  * key_bounds: a policy (DESIGN.md's "min/max key bounds"). With Q =
-///    sum_g q_g and [lo_d, hi_d] the slice's key range in dimension d (bf16,
-///    rounded outward: `key_bounds_word`), the score is sum_d Q_d b_d with
-///    b_d = hi_d where Q_d >= 0, else lo_d: an upper bound of Q . k over the
-///    slice's keys (IEEE products: 0 * inf is NaN; fp32 keys beyond bf16's
-///    range give infinite bounds). A mean dilutes one
-///    strong key 64-fold; a bound does not, which is what keeps the slices
-///    holding the first or last few tokens of a needle. Same bytes as fp32
-///    means (one 32-bit word a dimension). Blocks keep their means, and
-///    prefill selection scores means: the policy is the decode fine filter's.
-enum class slice_score : std::uint8_t { mean = 0, key_bounds = 1 };
+///  * mean_bf16: the same mean from the slice's fp32 key sum rounded to bf16
+///    (round to nearest even) when the cache stores it: half the bytes of
+///    the decode step's bandwidth-bound phase, at the price of the rounding.
+///  * key_bounds: with Q = sum_g q_g and [lo_d, hi_d] the slice's key range
+///    in dimension d (`key_bounds_word`: bf16, rounded outward), sum_d Q_d b_d
+///    with b_d = hi_d where Q_d >= 0, else lo_d: an upper bound of Q . k over
+///    the slice's keys (IEEE products: 0 * inf is NaN). A mean dilutes one
+///    strong key 64-fold; a bound does not. As many bytes as fp32 means.
+/// Blocks always score their means, and prefill selection scores the fp32
+/// means whatever the config names: the kind is the decode fine filter's.
+enum class fine_summary : std::uint8_t { mean = 0, mean_bf16 = 1, key_bounds = 2 };
 
-[[nodiscard]] constexpr std::string_view name_of(slice_score s) noexcept {
-  return s == slice_score::mean ? "mean" : s == slice_score::key_bounds ? "key_bounds" : "?";
+[[nodiscard]] constexpr std::string_view name_of(fine_summary s) noexcept {
+  switch (s) {
+    case fine_summary::mean: return "mean";
+    case fine_summary::mean_bf16: return "mean_bf16";
+    case fine_summary::key_bounds: return "key_bounds";
+  }
+  return "?";
 }
 
 /// Hierarchical sparse attention, as DESIGN.md section 1 defines it. The
 /// defaults are the field's: a 512-token window, 1024-token blocks of which
 /// 32 are kept, 64-token slices of which 16 are kept (about 1.5K tokens per
-/// query at any context length).
+/// query at any context length). Scores and their sort are always fp32.
 struct SparseAttentionConfig {
   int window = 512;         ///< W: tokens always attended (aligned down to a slice)
   int coarse_block = 1024;  ///< C: tokens per coarse block
@@ -130,15 +137,8 @@ struct SparseAttentionConfig {
   int top_k_coarse = 32;    ///< blocks kept per (query tile, KV head)
   int top_k_fine = 16;      ///< slices kept per (query tile, KV head)
   int query_tile = 64;      ///< M: prefill queries sharing one selection (decode uses 1)
-  dtype score_type = dtype::fp32;  ///< precision of block/slice scores and their sort
-  /// Storage of the slice summaries the decode fine filter reads. fp32 is
-  /// DESIGN.md section 1's contract. bf16 is a policy: each slice's fp32 key
-  /// sum rounded to bf16 (round to nearest even) by the cache as it is
-  /// stored, then scored in fp32 as before; the fine stage reads half the
-  /// bytes (the decode step's bandwidth-bound phase). Blocks, and prefill
-  /// selection (compute-bound), always use the fp32 sums.
-  dtype slice_summary_type = dtype::fp32;
-  slice_score fine_score = slice_score::mean;  ///< the decode fine filter's score (above)
+  /// What the decode fine filter scores slices by (above).
+  hisparse::fine_summary fine_summary = hisparse::fine_summary::mean;
 
   [[nodiscard]] constexpr config_error validate() const noexcept {
     if (window < 1 || window > kMaxWindow) return config_error::window_must_be_in_1_to_kMaxWindow;
@@ -150,24 +150,23 @@ struct SparseAttentionConfig {
       return config_error::top_k_coarse_must_be_in_1_to_kMaxTopK;
     if (top_k_fine < 1 || top_k_fine > kMaxTopK)
       return config_error::top_k_fine_must_be_in_1_to_kMaxTopK;
-    if (static_cast<std::int64_t>(top_k_fine) >
-        static_cast<std::int64_t>(top_k_coarse) * (coarse_block / fine_slice))
+    if (static_cast<std::int64_t>(top_k_fine) > fine_candidates())
       return config_error::top_k_fine_must_not_exceed_slices_of_kept_blocks;
+    if (fine_candidates() > kMaxCandidates) return config_error::fine_candidates_must_not_exceed_kMaxCandidates;
     if (query_tile < 1 || query_tile > kMaxQueryTile)
       return config_error::query_tile_must_be_in_1_to_kMaxQueryTile;
-    if (score_type != dtype::fp32 && score_type != dtype::fp64)
-      return config_error::score_type_must_be_fp32_or_wider;
-    if (slice_summary_type != dtype::fp32 && slice_summary_type != dtype::bf16)
-      return config_error::slice_summary_type_must_be_fp32_or_bf16;
-    if (fine_score != slice_score::mean && fine_score != slice_score::key_bounds)
-      return config_error::fine_score_must_be_mean_or_key_bounds;
-    if (fine_score == slice_score::key_bounds && slice_summary_type != dtype::fp32)
-      return config_error::key_bounds_need_slice_summary_type_fp32;
+    if (fine_summary != hisparse::fine_summary::mean && fine_summary != hisparse::fine_summary::mean_bf16 &&
+        fine_summary != hisparse::fine_summary::key_bounds)
+      return config_error::fine_summary_must_be_mean_mean_bf16_or_key_bounds;
     return config_error::none;
   }
 
   [[nodiscard]] constexpr int slices_per_block() const noexcept {
     return coarse_block / fine_slice;
+  }
+  /// The fine stage's most candidates: every slice of the kept blocks.
+  [[nodiscard]] constexpr std::int64_t fine_candidates() const noexcept {
+    return static_cast<std::int64_t>(top_k_coarse) * (coarse_block / fine_slice);
   }
 
   friend constexpr bool operator==(const SparseAttentionConfig&,
@@ -205,9 +204,7 @@ inline std::string field_values(const SparseAttentionConfig& c) {
          " top_k_coarse=" + std::to_string(c.top_k_coarse) +
          " top_k_fine=" + std::to_string(c.top_k_fine) +
          " query_tile=" + std::to_string(c.query_tile) +
-         " score_type=" + std::string(name_of(c.score_type)) +
-         " slice_summary_type=" + std::string(name_of(c.slice_summary_type)) +
-         " fine_score=" + std::string(name_of(c.fine_score));
+         " fine_summary=" + std::string(name_of(c.fine_summary));
 }
 inline std::string field_values(const attention_shape& s) {
   return "num_q_heads=" + std::to_string(s.num_q_heads) +
@@ -235,7 +232,8 @@ status report(const T& value, std::string_view type_name) {
 
 /// Checks everything about a batch before any work: the config, the shape,
 /// a non-empty batch, and every context length in [1, kMaxContext] (a query
-/// always sees at least its own key, and int32 token indices cannot overflow).
+/// always sees at least its own key, and int32 token indices cannot overflow)
+/// and of at most kMaxCandidates coarse blocks.
 [[nodiscard]] inline status check_problem(const SparseAttentionConfig& c, const attention_shape& s,
                                           std::span<const std::int64_t> context_lengths) {
   HISPARSE_TRY(check(c));
@@ -248,6 +246,11 @@ status report(const T& value, std::string_view type_name) {
       return fail(status::invalid_argument,
                   "context length of sequence " + std::to_string(i) + " is " + std::to_string(t) +
                       ": must be in [1, 2^30] (token indices are int32)");
+    if ((t + c.coarse_block - 1) / c.coarse_block > kMaxCandidates)
+      return fail(status::invalid_argument,
+                  "context length of sequence " + std::to_string(i) + " is " + std::to_string(t) +
+                      ": more than 4096 coarse blocks of " + std::to_string(c.coarse_block) +
+                      " tokens (what one selection stage ranks)");
   }
   return status::success;
 }
@@ -279,19 +282,17 @@ struct preset {
 /// keeps 64 blocks / 32 slices (about 2.5K tokens) for workloads whose far
 /// attention is spread over more needles; `short_context` halves the block
 /// and slice so short prompts still have enough candidates to choose from;
-/// `standard_bf16_summaries` is `standard` with the decode fine filter on
-/// bf16 slice summaries (half its bytes; a cache built with
-/// `bf16_slice_sums` serves it); `standard_key_bounds` is `standard` with the
-/// decode fine filter on slice key bounds (a cache built with
-/// `slice_key_bounds` serves it; prefill scores means under it).
+/// `standard_bf16_summaries` and `standard_key_bounds` are `standard` with
+/// the decode fine filter on another fine_summary (a cache that keeps it
+/// serves them; prefill scores fp32 means under both).
 inline constexpr preset kBuiltinPresets[] = {
     {preset_id::standard, "standard", SparseAttentionConfig{}},
     {preset_id::high_recall, "high_recall", SparseAttentionConfig{512, 1024, 64, 64, 32, 64}},
     {preset_id::short_context, "short_context", SparseAttentionConfig{256, 512, 32, 32, 16, 64}},
     {preset_id::standard_bf16_summaries, "standard_bf16_summaries",
-     SparseAttentionConfig{512, 1024, 64, 32, 16, 64, dtype::fp32, dtype::bf16}},
+     SparseAttentionConfig{512, 1024, 64, 32, 16, 64, fine_summary::mean_bf16}},
     {preset_id::standard_key_bounds, "standard_key_bounds",
-     SparseAttentionConfig{512, 1024, 64, 32, 16, 64, dtype::fp32, dtype::fp32, slice_score::key_bounds}},
+     SparseAttentionConfig{512, 1024, 64, 32, 16, 64, fine_summary::key_bounds}},
 };
 
 static_assert([] {

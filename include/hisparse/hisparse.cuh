@@ -10,7 +10,6 @@
 #include "hisparse/policy/selection_policy.hpp"
 #include "hisparse/policy/tile_policy.hpp"
 #include "hisparse/reference/sparse_attention.hpp"
-#include "hisparse/workload/synthetic.hpp"
 #include "hisparse/mr/resource.hpp"
 #include "hisparse/mr/device_pool_resource.hpp"
 #include "hisparse/mr/pinned_host_resource.hpp"

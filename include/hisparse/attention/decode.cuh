@@ -42,22 +42,20 @@
 #include <cuda_runtime_api.h>
 
 #include "hisparse/config.hpp"
-#include "hisparse/core/async_copy.cuh"
-#include "hisparse/core/cluster.cuh"
-#include "hisparse/core/dependent_launch.cuh"
+#include "hisparse/contract.hpp"
+#include "hisparse/core/dispatch.hpp"
 #include "hisparse/core/gpu_limits.hpp"
 #include "hisparse/core/dtype.hpp"
 #include "hisparse/core/kernel_build.hpp"
+#include "hisparse/core/ptx.cuh"
 #include "hisparse/core/status.hpp"
 #include "hisparse/kv/paged_kv_ref.hpp"
 #include "hisparse/policy/tile_policy.hpp"
+#include "hisparse/tuning.hpp"
 
 namespace hisparse::attention {
 
-/// The default decode tile: 64 rows of K and V per stage (16 per warp, 4
-/// warps), 3 stages (two tiles in flight while one is used: 96 KB for
-/// head_dim 128, two CTAs per H200 SM).
-inline constexpr tile_policy kDecodeTile{1, 64, 4, 3};
+inline constexpr tile_policy kDecodeTile = tuning::kDecodeTile;  ///< the default decode tile (tuning.hpp)
 
 /// One decode step's attention for a batch. Sparse when `top_k_fine` > 0:
 /// the kept slices of a selection (kept_slices, num_slices) and the window
@@ -140,10 +138,7 @@ inline constexpr int kMaxHeadsPerCta = 8;
 inline constexpr int kMaxSplits = 64;
 /// Most splits merged in a cluster: the portable cluster size.
 inline constexpr int kMaxClusterSplits = 8;
-/// Page pointers a CTA keeps in shared memory (fetched in parallel, refilled
-/// when the walk passes them): one dependent load per 128 slices, not one
-/// per slice.
-inline constexpr int kPageRing = 128;
+inline constexpr int kPageRing = tuning::kPageRing;
 /// Static shared memory of the kernel (3.1 KB) plus the 1 KB the hardware
 /// reserves per CTA, rounded up (planning only).
 inline constexpr int kStaticSmem = 5 * 1024;
@@ -153,13 +148,10 @@ inline constexpr float kLn2 = 0.6931471805599453f;
 /// Rows of a tile each warp takes: one m16n8k16 k-step of P V.
 inline constexpr int kWarpRows = 16;
 
-/// CTAs per SM the kernel is compiled for (its register budget): 12 warps
-/// per SM at head_dim 64 (168 registers a thread), 8 beyond (255: at 168,
-/// head_dim 128 spilled a few bytes, 17K local requests per step in Nsight
-/// Compute). Shared memory allows no more with the default three stages:
-/// two CTAs of 96 KB per H200 SM at head_dim 128.
+/// CTAs per SM the kernel is compiled for: its register budget in warps
+/// (tuning.hpp) over its warps.
 HISPARSE_HOST_DEVICE constexpr int register_ctas_per_sm(int head_dim, int warps) {
-  const int warps_per_sm = head_dim <= 64 ? 12 : 8;
+  const int warps_per_sm = tuning::attention_warps_per_sm(head_dim);
   return warps_per_sm / warps > 0 ? warps_per_sm / warps : 1;
 }
 /// Bytes of one ring stage: a tile of K and one of V.
@@ -201,62 +193,14 @@ using ptx::cp_async_wait;
 using ptx::cp_async_wait_at_most;
 using ptx::smem_address;
 using ptx::wait_for_prior_grid;  // the selection, when launched as its programmatic dependent
-__device__ __forceinline__ void ldmatrix_x4(unsigned addr, unsigned (&r)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned addr, unsigned (&r)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
-/// d = A B + c for one m16n8k16 tile, fp32 accumulation.
-template <class T>
-__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1,
-                                          const float (&c)[4]) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%10, %11, %12, %13};\n"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]),
-          "f"(c[3]));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%10, %11, %12, %13};\n"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]),
-          "f"(c[3]));
-  }
-}
-/// Two floats as a T pair in one register (x in the low half), rounded.
-template <class T>
-__device__ __forceinline__ unsigned pack2(float x, float y) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
-    return *reinterpret_cast<const unsigned*>(&v);
-  } else {
-    const __half2 v = __floats2half2_rn(x, y);
-    return *reinterpret_cast<const unsigned*>(&v);
-  }
-}
-/// Two probabilities (>= 0) as a T pair truncated toward zero (x in the low
-/// half): the high half of P's split, whose residual is never negative.
-template <class T>
-__device__ __forceinline__ unsigned pack2_down(float x, float y) {
-  unsigned r;
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm("cvt.rz.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(y), "f"(x));
-  } else {
-    asm("cvt.rz.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(y), "f"(x));
-  }
-  return r;
-}
-/// The residual of pack2_down's halves, rounded, as a second pair: x = hi +
+using ptx::ldmatrix_x4;
+using ptx::ldmatrix_x4_trans;
+using ptx::mma_16816;
+using ptx::pack2;
+/// The high half of P's split: two probabilities (>= 0) truncated toward
+/// zero, so its residual is never negative.
+using ptx::pack2_rz;
+/// The residual of pack2_rz's halves, rounded, as a second pair: x = hi +
 /// lo to about twice the type's precision. lo is >= 0, and > 0 wherever x
 /// is, so an infinite value times P is (hi + lo) inf = inf as in fp64, never
 /// inf - inf or 0 * inf. The floor: bf16's smallest normal (2^-126, far
@@ -326,7 +270,8 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
   // Inputs the step's producer (the selection) does not write: read them
   // before waiting on it.
   const int seq = a.slots[b];
-  const std::int32_t len = c.lengths[std::int64_t{seq} * c.layers + a.layer];
+  const std::int64_t seq_layer = c.seq_layer(seq, a.layer);
+  const std::int32_t len = c.lengths[seq_layer];
   // Q as the A operand of S = Q K^T: lane holds head qh, dims 16k + qc (+1)
   // and 16k + 8 + qc (+1) (rows 8-15 of A are zero); warp w stores the
   // k-steps w, w + Warps, ... for every warp. Read after the first barrier.
@@ -339,11 +284,8 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
   const int F = c.fine_slice;
   const std::int64_t at = std::int64_t{b} * c.kv_heads + h;
   const std::int32_t end_slice = (len + F - 1) / F;
-  std::int32_t first_window = 0;  // sparse: ws / F (DESIGN.md section 1, decode)
-  if (a.sparse()) {
-    const std::int32_t x = len - a.window;
-    first_window = x <= 0 ? 0 : x / F;
-  }
+  // Sparse: ws / F, the query sitting at len - 1; dense: every slice.
+  const std::int32_t first_window = a.sparse() ? contract::window_first_slice(len - 1, a.window, F) : 0;
   const int window_items = end_slice - first_window;  // dense: every slice
 
   // The items of a (sequence, KV head) are its window's slices, then (sparse)
@@ -392,7 +334,7 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
     page_base = first;
     page_end = min(known_items, first + kPageRing);
     for (int i = threadIdx.x; i < page_end - page_base; i += kThreads)
-      pages[i] = c.page_table[c.table_index(seq, a.layer, slice_of(page_base + i))];
+      pages[i] = c.page(seq_layer, slice_of(page_base + i));
     __syncthreads();
   };
   // Waits for the selection, then learns this CTA's kept items and their
@@ -420,7 +362,7 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
 #pragma unroll
     for (int m = 0; m < kPagesPerThread; ++m) {
       const int i = static_cast<int>(threadIdx.x) + m * kThreads;
-      if (i < page_end - page_base) pages[i] = c.page_table[c.table_index(seq, a.layer, first_kept[m])];
+      if (i < page_end - page_base) pages[i] = c.page(seq_layer, first_kept[m]);
     }
     __syncthreads();
   };
@@ -529,9 +471,9 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
     // O = O corr + P V: P's high half in A's rows 0-7, its rounding error in
     // rows 8-15; the two halves of each output are added.
     unsigned pa[4];
-    pa[0] = pack2_down<T>(pr[0][0], pr[0][1]);
+    pa[0] = pack2_rz<T>(pr[0][0], pr[0][1]);
     pa[1] = pack2_residual<T>(pr[0][0], pr[0][1], pa[0]);
-    pa[2] = pack2_down<T>(pr[1][0], pr[1][1]);
+    pa[2] = pack2_rz<T>(pr[1][0], pr[1][1]);
     pa[3] = pack2_residual<T>(pr[1][0], pr[1][1], pa[2]);
 #pragma unroll
     for (int n2 = 0; n2 < kNTiles / 2; ++n2) {
@@ -830,7 +772,7 @@ template <tile_policy Tile = kDecodeTile, class T>
 [[nodiscard]] status plan_decode_attention(const decode_attention_arguments<T>& a, const gpu_limits& gpu,
                                            decode_attention_plan& plan, int counter_batch = 0,
                                            int reserved_ctas = 0) {
-  static_assert(valid_tile_policy_v<Tile>);
+  static_assert(valid_decode_tile_v<Tile>);
   HISPARSE_TRY(can_implement_decode_attention(a));
   const int group = a.num_q_heads / a.cache.kv_heads;
   plan.heads_per_cta = std::min(group, detail::kMaxHeadsPerCta);
@@ -941,12 +883,8 @@ template <class T, tile_policy Tile = kDecodeTile>
 [[nodiscard]] status decode_attention_async(const decode_attention_plan& plan, const decode_attention_arguments<T>& a,
                                             void* workspace, cudaStream_t stream = nullptr,
                                             bool overlap_previous = false) {
-  static_assert(valid_tile_policy_v<Tile>);
-  static_assert(Tile.block_q == 1, "decode attention takes one query per sequence (block_q = 1)");
-  static_assert(Tile.block_kv == Tile.warps * detail::kWarpRows,
-                "decode attention: each warp takes 16 rows of a tile (block_kv = 16 * warps)");
-  static_assert(Tile.warps == 1 || Tile.warps == 2 || Tile.warps == 4 || Tile.warps == 8,
-                "decode attention: 1, 2, 4 or 8 warps");
+  static_assert(valid_decode_tile_v<Tile>);
+  static_assert(Tile.block_kv == Tile.warps * detail::kWarpRows);
   if (plan.splits < 1 || plan.tile != Tile)
     return fail(status::invalid_argument, "decode attention: the plan is empty or was made for another tile policy");
   // The kernel trusts the ring, the split count and the cluster merge's
@@ -988,11 +926,9 @@ template <class T, tile_policy Tile = kDecodeTile>
   p.partial_out = plan.splits > 1 ? reinterpret_cast<float*>(ws + plan.partial_offset) : nullptr;
   p.partial_lse = plan.splits > 1 ? reinterpret_cast<float*>(ws + plan.lse_offset) : nullptr;
   p.counters = reinterpret_cast<unsigned*>(ws + plan.counter_offset);
-  switch (a.cache.head_dim) {
-    case 64: return detail::launch_decode_attention<T, 64, Tile>(p, plan.smem_bytes, overlap_previous, stream);
-    case 128: return detail::launch_decode_attention<T, 128, Tile>(p, plan.smem_bytes, overlap_previous, stream);
-    default: return detail::launch_decode_attention<T, 256, Tile>(p, plan.smem_bytes, overlap_previous, stream);
-  }
+  return dispatch_head_dim(a.cache.head_dim, [&](auto d) {
+    return detail::launch_decode_attention<T, d(), Tile>(p, plan.smem_bytes, overlap_previous, stream);
+  });
 }
 
 }  // namespace hisparse::attention

@@ -31,6 +31,7 @@
 #include "hisparse/kv/page_pool.hpp"
 #include "hisparse/kv/paged_kv_ref.hpp"
 #include "hisparse/mr/resource.hpp"
+#include "hisparse/tuning.hpp"
 
 namespace hisparse::kv {
 
@@ -46,14 +47,11 @@ struct paged_kv_cache_options {
   std::size_t max_pool_bytes = SIZE_MAX;           ///< cap on page memory
   std::int64_t reserve_pages = 0;                  ///< pages to carve up front
   bool maintain_summaries = true;  ///< off only for dense-only use, or to measure their cost
-  /// Also keep every slice sum rounded to bf16 (round to nearest even), for
-  /// configs with slice_summary_type = bf16 (the decode fine filter then
-  /// reads half the bytes). Costs half the fp32 slice sums' memory again.
-  bool bf16_slice_sums = false;
-  /// Also keep every slice's per-dimension key range (`key_bounds_word`: min
-  /// and max rounded outward to bf16 in one 32-bit word), for configs with
-  /// slice_score = key_bounds. Costs as much memory as the fp32 slice sums.
-  bool slice_key_bounds = false;
+  /// The fine summary kept besides the fp32 slice sums, for configs that
+  /// name it (config.hpp): `mean` keeps nothing more; `mean_bf16` the sums
+  /// rounded to bf16 (half their memory again); `key_bounds` each
+  /// dimension's key range (as much memory as the sums).
+  hisparse::fine_summary fine_summary = hisparse::fine_summary::mean;
 };
 
 /// A run of new tokens for one sequence: rows [row, row + count) of the
@@ -80,14 +78,14 @@ struct append_desc {
   std::int32_t block_prefix;     ///< touched blocks of the segments before this one
 };
 
-inline constexpr int kAppendThreads = 128;
+inline constexpr int kAppendThreads = tuning::kAppendThreads;
 inline constexpr int kMaxHeadDim = 256;
 // Descriptors ride in the kernel parameters (4 KB on every supported arch)
 // when they fit: decode batches up to 32 sequences and prefill chunks up to
 // 256 pages (16K tokens at F = 64) launch with no host-to-device copy, which
 // measured as the largest fixed cost of a 4K-token append.
-inline constexpr int kInlineSegments = 32;
-inline constexpr int kInlinePages = 256;
+inline constexpr int kInlineSegments = tuning::kInlineSegments;
+inline constexpr int kInlinePages = tuning::kInlinePages;
 
 /// Kernel parameters. Small batches (every decode step up to B = 32) carry
 /// their descriptors inline, so a decode append is one launch and no copy.
@@ -370,9 +368,9 @@ class paged_kv_cache {
     slice_bytes_ = static_cast<std::size_t>(seq_layers * max_slices_ * vec) * sizeof(float);
     block_bytes_ = static_cast<std::size_t>(seq_layers * max_blocks_ * vec) * sizeof(float);
     slice_bf16_bytes_ =
-        opt_.bf16_slice_sums ? static_cast<std::size_t>(seq_layers * max_slices_ * vec) * sizeof(__nv_bfloat16) : 0;
+        opt_.fine_summary == fine_summary::mean_bf16 ? static_cast<std::size_t>(seq_layers * max_slices_ * vec) * sizeof(__nv_bfloat16) : 0;
     slice_bounds_bytes_ =
-        opt_.slice_key_bounds ? static_cast<std::size_t>(seq_layers * max_slices_ * vec) * sizeof(std::uint32_t) : 0;
+        opt_.fine_summary == fine_summary::key_bounds ? static_cast<std::size_t>(seq_layers * max_slices_ * vec) * sizeof(std::uint32_t) : 0;
     length_bytes_ = static_cast<std::size_t>(seq_layers) * sizeof(std::int32_t);
     counter_bytes_ = static_cast<std::size_t>(std::int64_t{opt_.max_sequences} * max_blocks_ * opt_.num_kv_heads) *
                      sizeof(unsigned);
@@ -383,9 +381,9 @@ class paged_kv_cache {
     try {
       page_table_ = static_cast<T**>(resource_->allocate(table_bytes_, stream_));
       slice_sums_ = static_cast<float*>(resource_->allocate(slice_bytes_, stream_));
-      if (opt_.bf16_slice_sums)
+      if (slice_bf16_bytes_ != 0)
         slice_sums_bf16_ = static_cast<__nv_bfloat16*>(resource_->allocate(slice_bf16_bytes_, stream_));
-      if (opt_.slice_key_bounds)
+      if (slice_bounds_bytes_ != 0)
         slice_bounds_ = static_cast<std::uint32_t*>(resource_->allocate(slice_bounds_bytes_, stream_));
       block_sums_ = static_cast<float*>(resource_->allocate(block_bytes_, stream_));
       block_bases_ = static_cast<float*>(resource_->allocate(block_bytes_, stream_));
@@ -470,7 +468,7 @@ class paged_kv_cache {
   /// aligned) go to the end of its sequence. All or nothing: on any error
   /// nothing is appended and no page is taken.
   [[nodiscard]] status append_async(int layer, std::span<const append_segment> segments, const T* k, const T* v,
-                                    cudaStream_t stream) {
+                                    cudaStream_t stream = nullptr) {
     if (layer < 0 || layer >= opt_.num_layers)
       return fail(status::invalid_argument, "append: layer " + std::to_string(layer) + " out of range [0, " +
                                                 std::to_string(opt_.num_layers) + ")");
@@ -563,7 +561,7 @@ class paged_kv_cache {
     if (st == status::success) {
       const int rows_per_pass = detail::kAppendThreads / (opt_.head_dim * static_cast<int>(sizeof(T)) / 16);
       const std::size_t smem = static_cast<std::size_t>(rows_per_pass) * opt_.head_dim *
-                               (sizeof(float) + (opt_.slice_key_bounds ? 2 * sizeof(T) : 0));
+                               (sizeof(float) + (slice_bounds_ != nullptr ? 2 * sizeof(T) : 0));
       detail::append_kernel<T><<<dim3(static_cast<unsigned>(slices), static_cast<unsigned>(opt_.num_kv_heads)),
                                  detail::kAppendThreads, smem, stream>>>(batch);
       if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess)
@@ -603,8 +601,10 @@ class paged_kv_cache {
     paged_kv_ref<T> r;
     r.page_table = page_table_;
     r.slice_sums = slice_sums_;
-    r.slice_sums_bf16 = slice_sums_bf16_;
-    r.slice_bounds = slice_bounds_;
+    r.fine = opt_.fine_summary;
+    r.fine_rows = slice_sums_bf16_ != nullptr ? static_cast<const void*>(slice_sums_bf16_)
+                  : slice_bounds_ != nullptr  ? static_cast<const void*>(slice_bounds_)
+                                              : static_cast<const void*>(slice_sums_);
     r.block_sums = block_sums_;
     r.lengths = lengths_;
     r.layers = opt_.num_layers;
@@ -617,82 +617,7 @@ class paged_kv_cache {
     return r;
   }
 
-  /// Copies one (sequence, layer) to host as contiguous [length][kv_heads][head_dim]
-  /// keys and values. Synchronous; for tests and debugging.
-  void download(int slot, int layer, std::vector<T>& keys, std::vector<T>& values) const {
-    const std::int64_t len = length(slot, layer);
-    const int F = opt_.fine_slice, H = opt_.num_kv_heads, D = opt_.head_dim;
-    HISPARSE_CUDA_CHECK(cudaEventSynchronize(last_launch_));
-    keys.assign(static_cast<std::size_t>(len * H * D), T{});
-    values.assign(keys.size(), T{});
-    const auto& pages = slots_[static_cast<std::size_t>(slot)].pages[static_cast<std::size_t>(layer)];
-    for (std::size_t sl = 0; sl < pages.size(); ++sl) {
-      const auto* page = reinterpret_cast<const T*>(pool_.address(pages[sl]));
-      const std::int64_t rows = std::min<std::int64_t>(F, len - static_cast<std::int64_t>(sl) * F);
-      for (int h = 0; h < H; ++h)
-        for (int kv = 0; kv < 2; ++kv) {
-          T* dst = (kv == 0 ? keys : values).data() + (static_cast<std::int64_t>(sl) * F * H + h) * D;
-          const T* src = page + (std::int64_t{kv} * H + h) * F * D;
-          HISPARSE_CUDA_CHECK(cudaMemcpy2D(dst, sizeof(T) * H * D, src, sizeof(T) * D, sizeof(T) * D,
-                                           static_cast<std::size_t>(rows), cudaMemcpyDeviceToHost));
-        }
-    }
-  }
-
-  /// Copies one (sequence, layer)'s summary sums to host: slice sums
-  /// [ceil(length/F)][kv_heads][head_dim] and block sums
-  /// [ceil(length/C)][kv_heads][head_dim], and the device's stored length.
-  void download_summaries(int slot, int layer, std::vector<float>& slice_sums, std::vector<float>& block_sums,
-                          std::int32_t& device_length) const {
-    const summary_extent e = extent(slot, layer);
-    HISPARSE_CUDA_CHECK(cudaEventSynchronize(last_launch_));
-    slice_sums.resize(static_cast<std::size_t>(e.slices * e.vec));
-    block_sums.resize(static_cast<std::size_t>(e.blocks * e.vec));
-    HISPARSE_CUDA_CHECK(cudaMemcpy(slice_sums.data(), slice_sums_ + e.seq_layer * max_slices_ * e.vec,
-                                   slice_sums.size() * sizeof(float), cudaMemcpyDeviceToHost));
-    HISPARSE_CUDA_CHECK(cudaMemcpy(block_sums.data(), block_sums_ + e.seq_layer * max_blocks_ * e.vec,
-                                   block_sums.size() * sizeof(float), cudaMemcpyDeviceToHost));
-    HISPARSE_CUDA_CHECK(cudaMemcpy(&device_length, lengths_ + e.seq_layer, sizeof(std::int32_t),
-                                   cudaMemcpyDeviceToHost));
-  }
-
-  /// The bf16 slice sums of one (sequence, layer), [ceil(length/F)][kv_heads]
-  /// [head_dim]; throws unless the cache keeps them (bf16_slice_sums).
-  void download_bf16_slice_sums(int slot, int layer, std::vector<__nv_bfloat16>& sums) const {
-    if (slice_sums_bf16_ == nullptr)
-      throw error(status::invalid_argument, "download_bf16_slice_sums: the cache keeps no bf16 slice sums");
-    const summary_extent e = extent(slot, layer);
-    HISPARSE_CUDA_CHECK(cudaEventSynchronize(last_launch_));
-    sums.resize(static_cast<std::size_t>(e.slices * e.vec));
-    HISPARSE_CUDA_CHECK(cudaMemcpy(sums.data(), slice_sums_bf16_ + e.seq_layer * max_slices_ * e.vec,
-                                   sums.size() * sizeof(__nv_bfloat16), cudaMemcpyDeviceToHost));
-  }
-
-  /// The slice key bounds of one (sequence, layer), [ceil(length/F)][kv_heads]
-  /// [head_dim] `key_bounds_word`s; throws unless the cache keeps them
-  /// (slice_key_bounds).
-  void download_slice_bounds(int slot, int layer, std::vector<std::uint32_t>& bounds) const {
-    if (slice_bounds_ == nullptr)
-      throw error(status::invalid_argument, "download_slice_bounds: the cache keeps no slice key bounds");
-    const summary_extent e = extent(slot, layer);
-    HISPARSE_CUDA_CHECK(cudaEventSynchronize(last_launch_));
-    bounds.resize(static_cast<std::size_t>(e.slices * e.vec));
-    HISPARSE_CUDA_CHECK(cudaMemcpy(bounds.data(), slice_bounds_ + e.seq_layer * max_slices_ * e.vec,
-                                   bounds.size() * sizeof(std::uint32_t), cudaMemcpyDeviceToHost));
-  }
-
  private:
-  /// What a (sequence, layer) holds of summaries: slices and blocks begun,
-  /// floats per slice or block (all heads), and its row in the arrays.
-  struct summary_extent {
-    std::int64_t slices, blocks, vec, seq_layer;
-  };
-  [[nodiscard]] summary_extent extent(int slot, int layer) const {
-    const std::int64_t len = length(slot, layer);
-    return {(len + opt_.fine_slice - 1) / opt_.fine_slice, (len + opt_.coarse_block - 1) / opt_.coarse_block,
-            std::int64_t{opt_.num_kv_heads} * opt_.head_dim, std::int64_t{slot} * opt_.num_layers + layer};
-  }
-
   struct slot_state {
     bool active = false;
     std::int64_t reserved = 0;
@@ -710,8 +635,11 @@ class paged_kv_cache {
       bad("coarse_block must be a multiple of fine_slice");
     if (o.max_sequences < 1 || o.max_sequences > 4096) bad("max_sequences must be in [1, 4096]");
     if (o.max_context < 1 || o.max_context > kMaxContext) bad("max_context must be in [1, 2^30]");
-    if (o.bf16_slice_sums && !o.maintain_summaries) bad("bf16_slice_sums needs maintain_summaries");
-    if (o.slice_key_bounds && !o.maintain_summaries) bad("slice_key_bounds needs maintain_summaries");
+    if (o.fine_summary != fine_summary::mean && o.fine_summary != fine_summary::mean_bf16 &&
+        o.fine_summary != fine_summary::key_bounds)
+      bad("fine_summary must be mean, mean_bf16 or key_bounds");
+    if (o.fine_summary != fine_summary::mean && !o.maintain_summaries)
+      bad("fine_summary " + std::string(name_of(o.fine_summary)) + " needs maintain_summaries");
     return o;
   }
 

@@ -1,7 +1,9 @@
 #pragma once
-// The device-side view of a paged KV cache: trivially copyable, passed by
+// The device-side views of a paged KV cache: trivially copyable, passed by
 // value to kernels (the cuCollections `ref` idiom). The owning host object is
-// `paged_kv_cache` (paged_kv_cache.cuh).
+// `paged_kv_cache` (paged_kv_cache.cuh). Every kernel finds a page, a slice
+// sum or a length through the accessors here; nothing else re-derives the
+// layout.
 //
 // Layout, and why:
 //  * one page = one fine slice (F tokens) of one layer of one sequence, laid
@@ -19,34 +21,40 @@
 //    [sequence][layer][block][kv_head][head_dim]. A block sum is always the
 //    ordered sum of its slices' sums (never a running sum), so it is
 //    deterministic and independent of how tokens were appended. Means follow
-//    by dividing by the token count, which the length gives. On request the
-//    cache also keeps each slice sum rounded to bf16, for selection policies
-//    that read those instead (half the bytes), and for the key_bounds policy
-//    each slice's key range: per dimension one `key_bounds_word` (minimum and
-//    maximum rounded outward to bf16), laid out like the slice sums.
+//    by dividing by the token count, which the length gives. A cache may also
+//    keep one other fine summary per slice (config.hpp, fine_summary), laid
+//    out like the slice sums: the sums rounded to bf16, or each dimension's
+//    key range as a `key_bounds_word`.
 
 #include <cuda_bf16.h>
 
 #include <cstdint>
 #include <type_traits>
 
+#include "hisparse/config.hpp"
 #include "hisparse/core/macros.hpp"
 
 namespace hisparse::kv {
 
-template <class T>
-struct paged_kv_ref {
-  T* const* page_table = nullptr;      ///< [max_sequences][layers][max_slices]
-  const float* slice_sums = nullptr;   ///< [max_sequences][layers][max_slices][kv_heads][head_dim]
-  /// The same rounded to bf16 (round to nearest even); null unless the cache
-  /// keeps them (paged_kv_cache_options::bf16_slice_sums).
-  const __nv_bfloat16* slice_sums_bf16 = nullptr;
-  /// Per dimension, the slice's key minimum and maximum (`key_bounds_word`),
-  /// laid out like slice_sums; null unless the cache keeps them
-  /// (paged_kv_cache_options::slice_key_bounds).
-  const std::uint32_t* slice_bounds = nullptr;
-  const float* block_sums = nullptr;   ///< [max_sequences][layers][max_blocks][kv_heads][head_dim]
-  const std::int32_t* lengths = nullptr;  ///< [max_sequences][layers], tokens stored
+/// The element a fine summary row holds per dimension, and whether a score
+/// of it is a mean (divided by the slice's tokens) or a bound (as it is).
+template <fine_summary K> struct fine_summary_traits;
+template <> struct fine_summary_traits<fine_summary::mean> {
+  using element = float;
+  static constexpr bool kMean = true;
+};
+template <> struct fine_summary_traits<fine_summary::mean_bf16> {
+  using element = __nv_bfloat16;
+  static constexpr bool kMean = true;
+};
+template <> struct fine_summary_traits<fine_summary::key_bounds> {
+  using element = std::uint32_t;  ///< key_bounds_word
+  static constexpr bool kMean = false;
+};
+
+/// Where a cache's summaries of one (sequence, layer, slice or block, KV
+/// head) live: the geometry shared by the summary arrays.
+struct summary_layout {
   int layers = 0;
   int kv_heads = 0;
   int head_dim = 0;
@@ -55,30 +63,84 @@ struct paged_kv_ref {
   std::int32_t max_slices = 0;  ///< per (sequence, layer)
   std::int32_t max_blocks = 0;  ///< per (sequence, layer)
 
+  /// The row of (sequence, layer) in the per-(sequence, layer) arrays.
+  HISPARSE_HOST_DEVICE constexpr std::int64_t seq_layer(int seq, int layer) const {
+    return std::int64_t{seq} * layers + layer;
+  }
+  /// Elements between the rows of two consecutive slices (or blocks) of one
+  /// KV head: every KV head's row sits between them.
+  HISPARSE_HOST_DEVICE constexpr std::int64_t row_stride() const { return std::int64_t{kv_heads} * head_dim; }
+  /// Element offset of slice 0 of (sequence, layer), KV head h, in a
+  /// per-slice array; slice s is `row_stride()` elements on per slice.
+  HISPARSE_HOST_DEVICE constexpr std::int64_t slice_row(std::int64_t seq_layer, int h) const {
+    return (seq_layer * max_slices * kv_heads + h) * head_dim;
+  }
+  HISPARSE_HOST_DEVICE constexpr std::int64_t slice_row(std::int64_t seq_layer, std::int64_t slice, int h) const {
+    return ((seq_layer * max_slices + slice) * kv_heads + h) * head_dim;
+  }
+  /// The same for a per-block array.
+  HISPARSE_HOST_DEVICE constexpr std::int64_t block_row(std::int64_t seq_layer, int h) const {
+    return (seq_layer * max_blocks * kv_heads + h) * head_dim;
+  }
+  HISPARSE_HOST_DEVICE constexpr std::int64_t block_row(std::int64_t seq_layer, std::int64_t block, int h) const {
+    return ((seq_layer * max_blocks + block) * kv_heads + h) * head_dim;
+  }
+  /// The page-table entry of (sequence, layer, slice).
+  HISPARSE_HOST_DEVICE constexpr std::int64_t table_index(std::int64_t seq_layer, std::int64_t slice) const {
+    return seq_layer * max_slices + slice;
+  }
+};
+
+/// What a selection reads of a cache: the summaries, the lengths and their
+/// layout (no pages, so no element type).
+struct summary_ref : summary_layout {
+  const float* slice_sums = nullptr;   ///< [sequences][layers][max_slices][kv_heads][head_dim]
+  const float* block_sums = nullptr;   ///< [sequences][layers][max_blocks][kv_heads][head_dim]
+  const std::int32_t* lengths = nullptr;  ///< [sequences][layers], tokens stored
+  /// The cache's other fine summary (fine_summary_traits<fine>::element,
+  /// laid out like slice_sums); for `mean` the slice sums themselves.
+  const void* fine_rows = nullptr;
+  hisparse::fine_summary fine = hisparse::fine_summary::mean;
+
+  /// Whether the decode fine filter can score `kind` from this cache.
+  [[nodiscard]] HISPARSE_HOST_DEVICE constexpr bool keeps(hisparse::fine_summary kind) const {
+    return kind == hisparse::fine_summary::mean || (kind == fine && fine_rows != nullptr);
+  }
+  /// The rows of `kind` (keeps(kind)), as their element type.
+  template <hisparse::fine_summary K>
+  [[nodiscard]] HISPARSE_HOST_DEVICE const typename fine_summary_traits<K>::element* rows() const {
+    if constexpr (K == hisparse::fine_summary::mean) return slice_sums;
+    return static_cast<const typename fine_summary_traits<K>::element*>(fine_rows);
+  }
+  [[nodiscard]] HISPARSE_HOST_DEVICE std::int32_t length(int seq, int layer) const {
+    return lengths[seq_layer(seq, layer)];
+  }
+};
+
+/// The pages too: what an attention kernel reads.
+template <class T>
+struct paged_kv_ref : summary_ref {
+  T* const* page_table = nullptr;  ///< [sequences][layers][max_slices]
+
   /// Elements of one K (or V) tile of one KV head inside a page.
   HISPARSE_HOST_DEVICE constexpr std::int64_t head_tile_elems() const {
     return std::int64_t{fine_slice} * head_dim;
   }
   /// Elements in one page (K and V of every KV head).
-  HISPARSE_HOST_DEVICE constexpr std::int64_t page_elems() const {
-    return 2 * std::int64_t{kv_heads} * head_tile_elems();
-  }
-  HISPARSE_HOST_DEVICE constexpr std::int64_t table_index(int seq, int layer, std::int64_t slice) const {
-    return (std::int64_t{seq} * layers + layer) * max_slices + slice;
+  HISPARSE_HOST_DEVICE constexpr std::int64_t page_elems() const { return 2 * std::int64_t{kv_heads} * head_tile_elems(); }
+  /// Offset of KV head h's V tile from its K tile.
+  HISPARSE_HOST_DEVICE constexpr std::int64_t value_offset() const { return std::int64_t{kv_heads} * head_tile_elems(); }
+  HISPARSE_HOST_DEVICE const T* page(std::int64_t seq_layer, std::int64_t slice) const {
+    return page_table[table_index(seq_layer, slice)];
   }
   /// First key of `slice` for KV head h: F rows of head_dim contiguous elements.
   HISPARSE_HOST_DEVICE const T* key_tile(int seq, int layer, std::int64_t slice, int h) const {
-    return page_table[table_index(seq, layer, slice)] + std::int64_t{h} * head_tile_elems();
+    return page(seq_layer(seq, layer), slice) + std::int64_t{h} * head_tile_elems();
   }
   HISPARSE_HOST_DEVICE const T* value_tile(int seq, int layer, std::int64_t slice, int h) const {
-    return page_table[table_index(seq, layer, slice)] + (std::int64_t{kv_heads} + h) * head_tile_elems();
+    return key_tile(seq, layer, slice, h) + value_offset();
   }
-  HISPARSE_HOST_DEVICE const float* slice_sum(int seq, int layer, std::int64_t slice, int h) const {
-    return slice_sums + (table_index(seq, layer, slice) * kv_heads + h) * head_dim;
-  }
-  HISPARSE_HOST_DEVICE const float* block_sum(int seq, int layer, std::int64_t block, int h) const {
-    return block_sums + (((std::int64_t{seq} * layers + layer) * max_blocks + block) * kv_heads + h) * head_dim;
-  }
+  [[nodiscard]] HISPARSE_HOST_DEVICE const summary_ref& summaries() const { return *this; }
 };
 
 static_assert(std::is_trivially_copyable_v<paged_kv_ref<float>>);

@@ -5,9 +5,14 @@
 // policy fails to compile through the same `validate()` the runtime uses:
 // the diagnostic names the broken rule as a `config_error` enumerator.
 
+#include <cstddef>
+#include <iterator>
+#include <string>
 #include <type_traits>
+#include <utility>
 
 #include "hisparse/config.hpp"
+#include "hisparse/contract.hpp"
 
 namespace hisparse {
 
@@ -19,10 +24,6 @@ struct assert_valid_config {
   static_assert(E == config_error::none, "invalid selection policy: see the config_error above");
   static constexpr bool value = true;
 };
-
-template <dtype D> struct score_storage;
-template <> struct score_storage<dtype::fp32> { using type = float; };
-template <> struct score_storage<dtype::fp64> { using type = double; };
 }  // namespace detail
 
 template <SparseAttentionConfig Cfg = SparseAttentionConfig{}>
@@ -37,11 +38,9 @@ struct selection_policy {
   static constexpr int kTopKCoarse = Cfg.top_k_coarse;
   static constexpr int kTopKFine = Cfg.top_k_fine;
   static constexpr int kQueryTile = Cfg.query_tile;
-  /// Upper bound of tokens one query attends: kept slices plus the widest
-  /// window (W + F - 1 tokens up to the tile start, plus the tile itself).
-  static constexpr int kMaxAttended =
-      Cfg.top_k_fine * Cfg.fine_slice + Cfg.window + Cfg.fine_slice - 1 + Cfg.query_tile - 1;
-  using score_type = typename detail::score_storage<Cfg.score_type>::type;
+  static constexpr fine_summary kFineSummary = Cfg.fine_summary;
+  /// Upper bound of tokens one query of a tile attends (contract.hpp).
+  static constexpr std::int64_t kMaxAttended = contract::max_attended_tokens(Cfg, Cfg.query_tile);
 };
 
 template <class T> struct is_selection_policy : std::false_type {};
@@ -50,5 +49,21 @@ struct is_selection_policy<selection_policy<Cfg>> : std::true_type {};
 
 /// The default policy: DESIGN.md section 1's numbers.
 using default_selection_policy = selection_policy<>;
+
+/// Calls f(selection_policy<P.config>{}) for the built-in preset P whose id
+/// is `id`: a runtime preset id to the compile-time policy, over the list
+/// kBuiltinPresets (f returns status for every policy). An id that names no
+/// built-in preset is invalid_argument.
+template <class F>
+[[nodiscard]] status dispatch(preset_id id, F&& f) {
+  return [&]<std::size_t... I>(std::index_sequence<I...>) {
+    status result = status::success;
+    const bool found =
+        ((kBuiltinPresets[I].id == id ? (result = f(selection_policy<kBuiltinPresets[I].config>{}), true) : false) ||
+         ...);
+    return found ? result : fail(status::invalid_argument, "dispatch: preset id " + std::to_string(static_cast<int>(id)) +
+                                                              " is not a built-in preset");
+  }(std::make_index_sequence<std::size(kBuiltinPresets)>{});
+}
 
 }  // namespace hisparse

@@ -15,6 +15,10 @@ enum class tile_error : std::uint8_t {
   block_kv_must_be_a_positive_multiple_of_16,
   warps_must_be_in_1_to_16,
   stages_must_be_in_1_to_8,
+  // The decode attention's own rules (validate_decode):
+  decode_block_q_must_be_1,
+  decode_warps_must_be_1_2_4_or_8,
+  decode_block_kv_must_be_16_times_warps,
 };
 
 struct tile_policy {
@@ -29,6 +33,15 @@ struct tile_policy {
       return tile_error::block_kv_must_be_a_positive_multiple_of_16;
     if (warps < 1 || warps > 16) return tile_error::warps_must_be_in_1_to_16;
     if (stages < 1 || stages > 8) return tile_error::stages_must_be_in_1_to_8;
+    return tile_error::none;
+  }
+  /// validate(), and what the decode attention kernel needs: one query per
+  /// sequence (its GQA group rides along) and 16 rows of a tile per warp.
+  [[nodiscard]] constexpr tile_error validate_decode() const noexcept {
+    if (const tile_error e = validate(); e != tile_error::none) return e;
+    if (block_q != 1) return tile_error::decode_block_q_must_be_1;
+    if (warps != 1 && warps != 2 && warps != 4 && warps != 8) return tile_error::decode_warps_must_be_1_2_4_or_8;
+    if (block_kv != 16 * warps) return tile_error::decode_block_kv_must_be_16_times_warps;
     return tile_error::none;
   }
   [[nodiscard]] constexpr int threads() const noexcept { return warps * 32; }
@@ -47,5 +60,8 @@ struct assert_valid_tile {
 /// Compile-time check for a tile policy used as a template argument.
 template <tile_policy P>
 inline constexpr bool valid_tile_policy_v = detail::assert_valid_tile<P.validate()>::value;
+/// The same for a decode attention tile (validate_decode).
+template <tile_policy P>
+inline constexpr bool valid_decode_tile_v = detail::assert_valid_tile<P.validate_decode()>::value;
 
 }  // namespace hisparse

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "hisparse/config.hpp"
+#include "hisparse/contract.hpp"
 #include "hisparse/core/dtype.hpp"
 #include "hisparse/core/status.hpp"
 #include "hisparse/core/tensor_view.hpp"
@@ -36,13 +37,12 @@ namespace hisparse::reference {
 /// slice boundary at or below `tile_begin - W + 1` (never below 0).
 [[nodiscard]] constexpr std::int64_t window_begin(std::int64_t tile_begin,
                                                   const SparseAttentionConfig& c) noexcept {
-  const std::int64_t x = tile_begin - c.window + 1;
-  return x <= 0 ? 0 : x / c.fine_slice * c.fine_slice;
+  return contract::window_begin(tile_begin, c.window, c.fine_slice);
 }
 
 /// The start of the M-aligned query tile holding position p.
 [[nodiscard]] constexpr std::int64_t tile_begin(std::int64_t p, int query_tile) noexcept {
-  return p / query_tile * query_tile;
+  return contract::tile_begin(p, query_tile);
 }
 
 /// One sequence: its cached keys/values and a run of consecutive queries.
@@ -215,15 +215,15 @@ std::vector<double> query_row(const sequence<T>& seq, std::int64_t i, int h, int
 
 /// Per-slice mean keys of the complete slices below `limit` tokens:
 /// [num_slices][Hkv][D], with num_slices = limit / F. Step 3's summaries.
-/// With `storage` = bf16, the means a decode fine filter scores under
-/// `slice_summary_type = bf16`: each exact sum rounded to fp32 and then to
-/// bf16 (round to nearest even), over F. The cache rounds its own fp32 sum,
+/// With `kind` = mean_bf16, the means a decode fine filter scores under that
+/// fine_summary: each exact sum rounded to fp32 and then to bf16 (round to
+/// nearest even), over F. The cache rounds its own fp32 sum,
 /// which can differ from the exact one's fp32 rounding in the last bits, so
 /// a sum near a bf16 rounding boundary can land one bf16 ulp apart.
 template <class T>
 [[nodiscard]] std::vector<double> slice_means(const tensor_view<const T, 3>& keys,
                                               const SparseAttentionConfig& c, std::int64_t limit,
-                                              dtype storage = dtype::fp32) {
+                                              fine_summary kind = fine_summary::mean) {
   const std::int64_t hkv = keys.extent(1), dim = keys.extent(2);
   const std::int64_t num_slices = std::min(limit, keys.extent(0)) / c.fine_slice;
   std::vector<double> means(static_cast<std::size_t>(num_slices * hkv * dim), 0.0);
@@ -233,7 +233,7 @@ template <class T>
       for (std::int64_t t = s * c.fine_slice; t < (s + 1) * c.fine_slice; ++t)
         for (std::int64_t d = 0; d < dim; ++d) m[d] += to_double(keys(t, h, d));
       for (std::int64_t d = 0; d < dim; ++d) {
-        if (storage == dtype::bf16) m[d] = to_double(from_float<__nv_bfloat16>(static_cast<float>(m[d])));
+        if (kind == fine_summary::mean_bf16) m[d] = to_double(from_float<__nv_bfloat16>(static_cast<float>(m[d])));
         m[d] /= c.fine_slice;
       }
     }
@@ -243,7 +243,7 @@ template <class T>
 /// Per-slice key bounds of the complete slices below `limit` tokens:
 /// [num_slices][Hkv][D][2], each dimension's (lo, hi) as the cache keeps it
 /// (`key_bounds_word` of the stored keys' minimum and maximum: bf16 rounded
-/// outward, NaN in both where a key is NaN). What a `slice_score::key_bounds`
+/// outward, NaN in both where a key is NaN). What a `fine_summary::key_bounds`
 /// fine filter scores.
 template <class T>
 [[nodiscard]] std::vector<double> slice_key_bounds(const tensor_view<const T, 3>& keys,
@@ -280,31 +280,29 @@ template <class T>
 }
 
 /// Hierarchical sparse attention of `seq`'s queries, in query tiles of
-/// `query_tile` positions (1 for decode). `fine_summaries` is the storage of
-/// the slice summaries step 5 scores: fp32 (DESIGN.md section 1; prefill
-/// always) or bf16 (a decode config's slice_summary_type; slice_means);
-/// `fine_score` what step 5 scores (mean, or a decode config's key_bounds:
-/// slice_key_bounds, key_bounds_score).
+/// `query_tile` positions (1 for decode). `fine` is what step 5 scores:
+/// fp32 means (DESIGN.md section 1; prefill always), or a decode config's
+/// fine_summary (mean_bf16: slice_means; key_bounds: slice_key_bounds,
+/// key_bounds_score).
 /// Throws hisparse::error on bad input.
 template <class T>
 [[nodiscard]] result sparse_attention(const SparseAttentionConfig& c, const attention_shape& s,
                                       const sequence<T>& seq, int query_tile,
-                                      dtype fine_summaries = dtype::fp32,
-                                      slice_score fine_score = slice_score::mean) {
+                                      fine_summary fine = fine_summary::mean) {
   if (query_tile < 1 || query_tile > kMaxQueryTile)
-    throw error(status::invalid_argument, "query_tile must be in [1, 256]");
+    throw error(status::invalid_argument, "query_tile must be in [1, " + std::to_string(kMaxQueryTile) + "]");
   detail::check_sequence(c, s, seq, query_tile);
   const int hq = s.num_q_heads, hkv = s.num_kv_heads, dim = s.head_dim, group = s.group_size();
   const std::int64_t n = seq.num_queries();
   const std::int64_t last_tile = tile_begin(seq.q_begin + n - 1, query_tile);
   const std::vector<double> smeans = slice_means(seq.keys, c, window_begin(last_tile, c));
-  if (fine_summaries != dtype::fp32 && fine_summaries != dtype::bf16)
-    throw error(status::invalid_argument, "fine_summaries must be fp32 or bf16");
-  const std::vector<double> bf16_means = fine_summaries == dtype::bf16
-                                             ? slice_means(seq.keys, c, window_begin(last_tile, c), dtype::bf16)
+  if (fine != fine_summary::mean && fine != fine_summary::mean_bf16 && fine != fine_summary::key_bounds)
+    throw error(status::invalid_argument, "fine must be mean, mean_bf16 or key_bounds");
+  const std::vector<double> bf16_means = fine == fine_summary::mean_bf16
+                                             ? slice_means(seq.keys, c, window_begin(last_tile, c), fine)
                                              : std::vector<double>{};
-  const std::vector<double>& fine_means = fine_summaries == dtype::bf16 ? bf16_means : smeans;
-  const bool bounds = fine_score == slice_score::key_bounds;
+  const std::vector<double>& fine_means = fine == fine_summary::mean_bf16 ? bf16_means : smeans;
+  const bool bounds = fine == fine_summary::key_bounds;
   const std::vector<double> fine_bounds =
       bounds ? slice_key_bounds(seq.keys, c, window_begin(last_tile, c)) : std::vector<double>{};
   const int spb = c.slices_per_block();
@@ -322,8 +320,8 @@ template <class T>
     tile.begin = p0;
     tile.end = std::min(p0 + query_tile, seq.q_begin + n);
     tile.window_begin = window_begin(p0, c);
-    const std::int64_t far_slices = tile.window_begin / c.fine_slice;
-    const std::int64_t blocks = (tile.window_begin + c.coarse_block - 1) / c.coarse_block;
+    const std::int64_t far_slices = contract::far_slices(tile.window_begin, c.fine_slice);
+    const std::int64_t blocks = contract::candidate_blocks(tile.window_begin, c.coarse_block);
 
     for (int h = 0; h < hkv; ++h) {
       // Group-summed queries: sum_g q_g . x == (sum_g q_g) . x.
@@ -414,14 +412,14 @@ template <class T>
 }
 
 /// Decode: one query at the last cached position, a tile of one; the fine
-/// filter scores what the config's slice_summary_type and fine_score name.
+/// filter scores the config's fine_summary.
 template <class T>
 [[nodiscard]] result decode(const SparseAttentionConfig& c, const attention_shape& s,
                             const sequence<T>& seq) {
   if (seq.num_queries() != 1 || seq.q_begin != seq.length() - 1)
     throw error(status::invalid_argument,
                 "decode takes one query at the last cached position (length - 1)");
-  return sparse_attention(c, s, seq, 1, c.slice_summary_type, c.fine_score);
+  return sparse_attention(c, s, seq, 1, c.fine_summary);
 }
 
 /// Decode for a batch of sequences (possibly of different lengths). The

@@ -70,6 +70,8 @@ attention::decode_attention_arguments<T> dense_attention_arguments(const decode_
 
 template <class T, tile_policy Tile = attention::kDecodeTile>
 class hierarchical_decode {
+  static_assert(valid_decode_tile_v<Tile>);
+
  public:
   using arguments = decode_step_arguments<T>;
 
@@ -206,23 +208,18 @@ class hierarchical_decode {
     dependents_launch attention_launch = dependents_launch::at_start;  ///< when run()'s attention may start
   };
 
-  /// The selection's CTAs for `a` (an upper bound: clusters of
-  /// kSelectCluster where the device runs them).
-  static std::int64_t selection_ctas(const arguments& a) {
-    return std::int64_t{a.batch} * a.cache.kv_heads * select::detail::kSelectCluster;
+  /// The selection's CTAs for `a` (an upper bound).
+  std::int64_t selection_ctas(const arguments& a) const {
+    return std::int64_t{a.batch} * a.cache.kv_heads *
+           select::decode_selection_launch_profile(cfg_, a.cache.max_blocks).ctas_per_head;
   }
-  /// Whether the attention's CTAs start beside the selection's: at most two
-  /// selection CTAs per SM. Then the selection's writers (one CTA per
-  /// (sequence, KV head), ranking the slices after the others have left)
-  /// keep their slots until it ends, and the attention is planned for the
-  /// wave less those slots: at B = 8, T = 256K, 3 splits instead of 4, and
-  /// the step 38.1 us instead of 40.3 (the fourth split's CTAs did not all
-  /// find a slot, and finished ~3 us after the rest; H200). With top-k 32
-  /// the same rule cost 1.6 us (more kept slices per CTA), measured while
-  /// the attention still started with the selection (now after its fine
-  /// scores there: attention_launch); a rule that weighs both is open.
-  static bool beside_selection(const arguments& a, const attention::gpu_limits& gpu) {
-    return selection_ctas(a) <= 2 * std::int64_t{gpu.sms};
+  /// Whether the attention's CTAs start beside the selection's (few
+  /// selection CTAs an SM; tuning.hpp). Then the selection's writers (one
+  /// CTA per (sequence, KV head), ranking the slices after the others have
+  /// left) keep their slots until it ends, and the attention is planned for
+  /// the wave less those slots (PERF_NOTES: Decode step).
+  bool beside_selection(const arguments& a, const attention::gpu_limits& gpu) const {
+    return selection_ctas(a) <= tuning::kBesideSelectionCtasPerSm * std::int64_t{gpu.sms};
   }
 
   /// [attention workspace (merge counters first) | kept slices | counts | windows]
@@ -233,29 +230,18 @@ class hierarchical_decode {
                                                         beside ? a.batch * a.cache.kv_heads : 0));
     // The selection's SMs keep their shared memory for the attention's CTAs
     // to start beside it where that is needed and possible: the attention's
-    // grid does not fit on the SMs the selection leaves free, and the
-    // selection takes at most two CTAs per SM. At B = 1 the attention fits
-    // beside it anyway and the carveout only cost L1 (0.5 us); at B = 8 it
-    // saved 0.9 us of the step (H200, T = 256K).
+    // grid does not fit on the SMs the selection leaves free, and it starts
+    // beside the selection (elsewhere the carveout only costs L1).
     const auto& ap = l.attention_plan;
     const std::int64_t attention_ctas = std::int64_t{ap.splits} * ap.head_splits * ap.kv_heads * ap.batch;
     const std::int64_t free_sms = gpu.sms - std::min<std::int64_t>(selection_ctas(a), gpu.sms);
     l.selection_carveout = beside && attention_ctas > free_sms * ap.ctas_per_sm;
-    // The attention's CTAs start beside the selection's as late as pays,
-    // where the selection runs in one wave beside them (H200, 2026-11-30,
-    // T = 256K unless said): once the blocks are ranked where rank 0 ranks
-    // the slices on one warp (the defaults: B = 8 35.9 -> 35.7 us per step,
-    // 33.3 -> 31.9 at T = 32K; B = 1 21.4 -> 21.3), once the fine
-    // candidates are scored where its whole CTA ranks them (top-k 32 at
-    // B = 8: 56.0 -> 52.3; the defaults lost 2 us that way). Where the
-    // selection takes several waves (B = 32) its last wave would hold them
-    // back: they start with it (B = 32 lost 1.6-2.2 us otherwise).
-    // The fine stage's most candidates (the cache holds at most max_blocks;
-    // can_implement bounds them by 4096); a stage of no more than
-    // top_k_fine is kept whole, not ranked.
-    const int fine_candidates = std::min(cfg_.top_k_coarse, a.cache.max_blocks) * cfg_.slices_per_block();
-    const bool warp_ranks =
-        fine_candidates <= cfg_.top_k_fine || select::detail::fits_warp_rank(fine_candidates, cfg_.top_k_fine);
+    // The attention's CTAs start beside the selection's as late as pays
+    // (PERF_NOTES: Decode step): once the blocks are ranked where one warp
+    // ranks the slices, once the fine candidates are scored where a whole
+    // CTA does; with the selection where it takes several waves (its last
+    // wave would hold them back).
+    const bool warp_ranks = select::decode_selection_launch_profile(cfg_, a.cache.max_blocks).fine_ranked_by_one_warp;
     l.attention_launch = !beside     ? dependents_launch::at_start
                          : warp_ranks ? dependents_launch::after_blocks
                                       : dependents_launch::after_fine_scores;
@@ -329,7 +315,7 @@ template <class Selection = default_selection_policy, tile_policy Tile = attenti
           class T = __nv_bfloat16>
 class hierarchical_attention : public hierarchical_decode<T, Tile> {
   static_assert(is_selection_policy<Selection>::value, "hierarchical_attention takes a selection_policy");
-  static_assert(valid_tile_policy_v<Tile>);
+  static_assert(valid_decode_tile_v<Tile>);
 
  public:
   using selection = Selection;
@@ -341,6 +327,8 @@ class hierarchical_attention : public hierarchical_decode<T, Tile> {
 /// with every stored token kept (no selection launch).
 template <class T, tile_policy Tile = attention::kDecodeTile>
 class dense_decode {
+  static_assert(valid_decode_tile_v<Tile>);
+
  public:
   using arguments = decode_step_arguments<T>;
 

@@ -7,9 +7,9 @@
 // presets (a forward runs one preset at a time, stream-ordered).
 //
 // Presets whose slice and block sizes differ from the cache's cannot run on
-// it (the summaries are built for one F and C), nor presets that read
-// summaries the cache does not keep (bf16 slice sums, slice key bounds);
-// init skips them and forward says why if one is asked for.
+// it (the summaries are built for one F and C), nor presets whose
+// fine_summary the cache does not keep; init skips them and forward says
+// why if one is asked for.
 
 #include <cstddef>
 #include <cstdint>
@@ -66,8 +66,7 @@ class sparse_attention_op {
     for (const auto& [id, name] : reg.list()) {
       const SparseAttentionConfig& cfg = reg.get(id);
       if (cfg.fine_slice != in.cache.fine_slice || cfg.coarse_block != in.cache.coarse_block) continue;
-      if (cfg.slice_summary_type == dtype::bf16 && in.cache.slice_sums_bf16 == nullptr) continue;
-      if (cfg.fine_score == slice_score::key_bounds && in.cache.slice_bounds == nullptr) continue;
+      if (!in.cache.keeps(cfg.fine_summary)) continue;
       hierarchical_decode<T, Tile> op(cfg);
       std::size_t b = 0;  // covers every batch up to max_batch
       HISPARSE_TRY(op.workspace_bytes(probe_arguments(in, in.max_batch), b));
@@ -102,7 +101,7 @@ class sparse_attention_op {
     const auto it = ops_.find(f.preset);
     if (it == ops_.end())
       return fail(status::invalid_argument, "sparse_attention_op: preset " + std::to_string(static_cast<int>(f.preset)) +
-                                                " is unknown, or the cache cannot serve it (slice/block sizes, bf16 slice sums, slice key bounds)");
+                                                " is unknown, or the cache cannot serve it (slice/block sizes or fine_summary)");
     if (f.batch < 1 || f.batch > init_.max_batch)
       return fail(status::invalid_argument, "sparse_attention_op: batch " + std::to_string(f.batch) +
                                                 " outside [1, " + std::to_string(init_.max_batch) + "]");

@@ -14,12 +14,11 @@
 // Scores are fp32 (a dot product of fp32 sums, one warp per candidate row,
 // 16-byte loads, several rows in flight per lane); the paged cache's sums are
 // the only KV data read, so the step reads ~0.4 MB per (sequence, KV head)
-// at 256K tokens. With config.slice_summary_type = bf16, step 4 reads the
-// cache's bf16-rounded slice sums instead (widened exactly, scored in fp32 the
-// same way): half its bytes, which are the bandwidth-bound part of a decode
-// step (PERF_NOTES, decode step). With config.fine_score = key_bounds, step 4
-// reads the cache's slice key bounds (as many bytes as fp32 sums) and scores
-// each slice by sum_d Q_d (Q_d >= 0 ? hi_d : lo_d) (config.hpp, slice_score).
+// at 256K tokens. Step 4 reads the fine summary the config names
+// (config.hpp, fine_summary): the fp32 sums, their bf16 roundings (widened
+// exactly, scored in fp32 the same way; half the bytes of the step's
+// bandwidth-bound part) or the key bounds (scored as sum_d Q_d (Q_d >= 0 ?
+// hi_d : lo_d), not divided by the tokens).
 
 #include <algorithm>
 #include <atomic>
@@ -31,15 +30,16 @@
 #include <cuda_runtime_api.h>
 
 #include "hisparse/config.hpp"
-#include "hisparse/core/async_copy.cuh"
-#include "hisparse/core/cluster.cuh"
-#include "hisparse/core/dependent_launch.cuh"
+#include "hisparse/contract.hpp"
+#include "hisparse/core/ptx.cuh"
+#include "hisparse/core/dispatch.hpp"
 #include "hisparse/core/dtype.hpp"
 #include "hisparse/core/kernel_build.hpp"
 #include "hisparse/core/status.hpp"
 #include "hisparse/kv/paged_kv_ref.hpp"
 #include "hisparse/policy/selection_policy.hpp"
 #include "hisparse/select/topk.cuh"
+#include "hisparse/tuning.hpp"
 
 namespace hisparse::select {
 
@@ -54,46 +54,15 @@ struct decode_selection_output {
   float* slice_scores = nullptr;          ///< optional [batch][kv_heads][top_k_fine]
 };
 
-/// What a selection reads of a paged cache (kv::paged_kv_cache::ref()): the
-/// slice and block key sums, the lengths and the geometry. Decode and prefill
-/// selection arguments extend it.
-struct cache_summaries {
-  const float* slice_sums = nullptr;
-  /// The slice sums rounded to bf16, which a config with slice_summary_type
-  /// = bf16 has the decode fine stage read; null where the cache keeps none.
-  const __nv_bfloat16* slice_sums_bf16 = nullptr;
-  /// Each slice's key bounds (key_bounds_word per dimension, laid out like
-  /// slice_sums), which a config with fine_score = key_bounds has the decode
-  /// fine stage read; null where the cache keeps none.
-  const std::uint32_t* slice_bounds = nullptr;
-  const float* block_sums = nullptr;
-  const std::int32_t* lengths = nullptr;
-  int layers = 0, kv_heads = 0, head_dim = 0, fine_slice = 0, coarse_block = 0;
-  std::int32_t max_slices = 0, max_blocks = 0;
-
-  template <class T>
-  void set_cache(const kv::paged_kv_ref<T>& r) {
-    slice_sums = r.slice_sums;
-    slice_sums_bf16 = r.slice_sums_bf16;
-    slice_bounds = r.slice_bounds;
-    block_sums = r.block_sums;
-    lengths = r.lengths;
-    layers = r.layers;
-    kv_heads = r.kv_heads;
-    head_dim = r.head_dim;
-    fine_slice = r.fine_slice;
-    coarse_block = r.coarse_block;
-    max_slices = r.max_slices;
-    max_blocks = r.max_blocks;
-  }
-};
-
 /// Everything a decode selection reads: the queries [batch][q_heads][head_dim],
 /// the cache's summaries and lengths for `layer`, and which cache slot each
 /// batch row is. `slots` lives on the device so a captured graph can be
 /// replayed for another batch.
 template <class Q>
-struct decode_selection_arguments : cache_summaries {
+struct decode_selection_arguments : kv::summary_ref {
+  /// The cache's summaries (kv::paged_kv_cache::ref() converts).
+  void set_cache(const kv::summary_ref& r) { static_cast<kv::summary_ref&>(*this) = r; }
+
   const Q* queries = nullptr;
   const std::int32_t* slots = nullptr;  ///< [batch], device
   int batch = 0;
@@ -125,30 +94,20 @@ struct decode_selection_arguments : cache_summaries {
 
 namespace detail {
 
-inline constexpr int kSelectThreads = 256;
+inline constexpr int kSelectThreads = tuning::kSelectThreads;
 inline constexpr int kSelectWarps = kSelectThreads / 32;
-inline constexpr int kSelectKeysPerThread = 16;
+inline constexpr int kSelectKeysPerThread = tuning::kSelectKeysPerThread;
 /// Candidates one CTA ranks: 4096 blocks (4M tokens at C = 1024) or 4096
 /// fine candidates (top_k_coarse * C / F).
 inline constexpr int kMaxSelectCandidates = kSelectThreads * kSelectKeysPerThread;
-/// The threshold-filter top-k (mark_top_k) covers up to this many
-/// candidates and k up to half the CTA; larger problems take block_topk,
-/// which only the wide kernel carries (16 keys per thread in registers).
-inline constexpr int kFilterMaxCandidates = 1024;
+static_assert(kMaxSelectCandidates == hisparse::kMaxCandidates, "config.hpp's limit is what one CTA ranks");
+inline constexpr int kFilterMaxCandidates = tuning::kFilterMaxCandidates;
 inline constexpr int kFilterMaxK = kSelectThreads / 2;
-/// CTAs of one thread-block cluster that share a (sequence, KV head) on sm_90.
-/// Four, not eight: at three CTAs per SM (the register bound below) an H200
-/// holds ~99 clusters of four at once, so B = 8 (64 clusters) runs in one
-/// wave; clusters of eight at two CTAs per SM measured 1.94 waves (Nsight
-/// Compute: 30 active clusters, 102 registers per thread).
-inline constexpr int kSelectCluster = 4;
+inline constexpr int kSelectCluster = tuning::kSelectCluster;
 /// Blocks ranked by counting (count_top_k): one per thread of a cluster;
 /// more take mark_top_k.
 inline constexpr int kCountMax = kSelectThreads * kSelectCluster;
-/// CTAs per SM the kernel is compiled for (80 registers per thread, no
-/// spills; at four, 64 registers, sm_90 spills up to 24 bytes per thread in
-/// the narrow kernel and 48 in the wide one).
-inline constexpr int kSelectMinBlocksPerSm = 3;
+inline constexpr int kSelectMinBlocksPerSm = tuning::kSelectMinBlocksPerSm;
 
 /// Byte offsets into the kernel's dynamic shared memory, sized from the
 /// config and the cache (host side, select_decode_async).
@@ -474,8 +433,7 @@ __device__ __forceinline__ void score_rows(int count, const float* qsum, Index i
   }
 }
 
-/// Rows of the partial block staged in shared memory by cp.async (8 KB).
-inline constexpr int kPartialBytes = 8192;
+inline constexpr int kPartialBytes = tuning::kPartialBytes;
 template <int D>
 inline constexpr int kPartialRows = kPartialBytes / (D * 4);
 
@@ -850,11 +808,9 @@ __device__ void top_k_of_groups(const float* scores, int count, int k, const top
   }
 }
 
-/// The one-warp ranking (warp_rank_*): candidates per lane held in registers,
-/// and the survivors it ranks among themselves (two per lane).
-inline constexpr int kWarpRankPerLane = 16;
+inline constexpr int kWarpRankPerLane = tuning::kWarpRankPerLane;
 inline constexpr int kWarpRankMax = 32 * kWarpRankPerLane;
-inline constexpr int kWarpRankSurvivors = 64;
+inline constexpr int kWarpRankSurvivors = tuning::kWarpRankSurvivors;
 
 /// Whether warp_rank_* takes a stage of `count` candidates and top-k.
 __host__ __device__ inline bool fits_warp_rank(int count, int k) {
@@ -967,11 +923,10 @@ __device__ __forceinline__ void warp_rank_place(const topk_key* survivors, int n
 /// writes the outputs. Wide: the kernel that can
 /// rank more than kFilterMaxCandidates candidates or keep more than
 /// kFilterMaxK (block_topk); the narrow one ranks by the filter alone.
-/// SumT: the fine stage's rows, float (the contract), bf16 (the cache's
-/// rounded copies, config.slice_summary_type = bf16) or std::uint32_t (the
-/// cache's key bounds, config.fine_score = key_bounds).
-template <class Q, int D, int S, bool Wide, class SumT>
+/// Fine: the fine summary the fine stage scores (config.fine_summary).
+template <class Q, int D, int S, bool Wide, fine_summary Fine>
 __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_selection_kernel(const __grid_constant__ decode_params<Q> p) {
+  using SumT = typename kv::fine_summary_traits<Fine>::element;
   using cluster = cluster_ops<S>;
   constexpr int kMaxCandidates = Wide ? kMaxSelectCandidates : kFilterMaxCandidates;
   // A kernel launched as this one's programmatic dependent (the attention of
@@ -1016,20 +971,19 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
     for (int g = 0; g < group; ++g) acc += to_float(q[std::int64_t{g} * D]);
     qsum[t] = acc;
   }
-  const std::int64_t seq_layer = std::int64_t{seq} * in.layers + in.layer;
+  const std::int64_t seq_layer = in.seq_layer(seq, in.layer);
   const std::int32_t length = in.lengths[seq_layer];
   const int F = in.fine_slice, C = in.coarse_block, spb = C / F;
   // Step 1 for M = 1: the query sits at length - 1.
-  const std::int32_t x = length - 1 - p.window + 1;
-  const std::int32_t ws = x <= 0 ? 0 : x / F * F;
-  const std::int32_t far_slices = ws / F;
-  const std::int32_t blocks = (ws + C - 1) / C;
+  const std::int32_t ws = contract::window_begin(length - 1, p.window, F);
+  const std::int32_t far_slices = contract::far_slices(ws, F);
+  const std::int32_t blocks = contract::candidate_blocks(ws, C);
   if (rank == 0 && h == 0 && t == 0) p.out.window_begin[b] = ws;
 
-  const std::int64_t head_stride = std::int64_t{in.kv_heads} * D;
-  const std::int64_t slice_offset = (seq_layer * in.max_slices * in.kv_heads + h) * D;
+  const std::int64_t head_stride = in.row_stride();
+  const std::int64_t slice_offset = in.slice_row(seq_layer, h);
   const float* slice_base = in.slice_sums + slice_offset;
-  const float* block_base = in.block_sums + (seq_layer * in.max_blocks * in.kv_heads + h) * D;
+  const float* block_base = in.block_sums + in.block_row(seq_layer, h);
   // Step 4's candidate blocks: whole blocks use their stored sum; the block
   // holding ws (if it is partial) is scored by the sum of its far slices'
   // sums, on the warp next in line after the whole blocks.
@@ -1098,7 +1052,7 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
     const int j = c / spb;
     return c + (kept_blocks[j] - j) * spb;
   };
-  const int candidates = kept == 0 ? 0 : kept * spb - max(0, (kept_blocks[kept - 1] + 1) * spb - far_slices);
+  const int candidates = kept == 0 ? 0 : contract::fine_candidates(kept, kept_blocks[kept - 1], spb, far_slices);
   // Rank 0 ranks the slices: up to 512 candidates and k <= 32 (the default
   // 32 x 16 and 16) on warp 0 from registers (warp_rank_*; one CTA barrier
   // tells the other warps whether it finished, and more than
@@ -1115,17 +1069,10 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
                          p.top_k_fine <= kFilterMaxK && fine_groups >= 2 * p.top_k_fine &&
                          fine_groups <= kSelectThreads;
   topk_key batch_max = kNoCandidate;
-  const SumT* fine_base;
-  if constexpr (std::is_same_v<SumT, float>) {
-    fine_base = slice_base;
-  } else if constexpr (std::is_same_v<SumT, __nv_bfloat16>) {
-    fine_base = in.slice_sums_bf16 + slice_offset;
-  } else {
-    fine_base = in.slice_bounds + slice_offset;
-  }
+  const SumT* fine_base = in.template rows<Fine>() + slice_offset;
   score_rows<D, S, SumT>(
       candidates, qsum, slice_of, [&](int sl) { return fine_base + sl * head_stride; },
-      std::is_same_v<SumT, std::uint32_t> ? 1.0f : 1.0f / static_cast<float>(F),  // bounds: no mean
+      kv::fine_summary_traits<Fine>::kMean ? 1.0f / static_cast<float>(F) : 1.0f,
       [&](int c, float s) {
         cluster::peer(fine_scores, 0u)[c] = s;
         if (by_groups) batch_max = make_key(s, c);
@@ -1231,20 +1178,12 @@ inline selection_smem plan_selection_smem(const SparseAttentionConfig& cfg, std:
   return s;
 }
 
-/// What the fine stage's rows are (decode_selection_kernel's SumT).
-enum class fine_rows { fp32_sums, bf16_sums, key_bounds };
-
-template <class Q, int D, int S, class SumT>
-auto* selection_kernel(bool wide) {
-  return wide ? &decode_selection_kernel<Q, D, S, true, SumT> : &decode_selection_kernel<Q, D, S, false, SumT>;
-}
-
 template <class Q, int D, int S>
-status launch_selection(const decode_params<Q>& p, bool wide, fine_rows rows, int kv_heads, int batch,
+status launch_selection(const decode_params<Q>& p, bool wide, fine_summary fine, int kv_heads, int batch,
                         cudaStream_t stream) {
-  auto* kernel = rows == fine_rows::bf16_sums    ? selection_kernel<Q, D, S, __nv_bfloat16>(wide)
-                 : rows == fine_rows::key_bounds ? selection_kernel<Q, D, S, std::uint32_t>(wide)
-                                                 : selection_kernel<Q, D, S, float>(wide);
+  auto* kernel = dispatch_fine_summary(fine, [&](auto k) {
+    return wide ? &decode_selection_kernel<Q, D, S, true, k()> : &decode_selection_kernel<Q, D, S, false, k()>;
+  });
   // Every launch (a cheap host call): the static shared memory counts toward
   // the 48 KB default too, so "dynamic > 48 KB" is not the test.
   HISPARSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p.smem.bytes));
@@ -1272,25 +1211,25 @@ status launch_selection(const decode_params<Q>& p, bool wide, fine_rows rows, in
 }
 
 template <class Q, int D>
-status launch_selection(const decode_params<Q>& p, bool wide, fine_rows rows, int kv_heads, int batch,
+status launch_selection(const decode_params<Q>& p, bool wide, fine_summary fine, int kv_heads, int batch,
                         cudaStream_t stream) {
-  if (!p.in.use_clusters) return launch_selection<Q, D, 1>(p, wide, rows, kv_heads, batch, stream);
+  if (!p.in.use_clusters) return launch_selection<Q, D, 1>(p, wide, fine, kv_heads, batch, stream);
   // Clusters where the loaded build is sm_90 or newer (a build without sm_90
   // code runs the single-CTA kernel on an H100). The narrow and wide kernels
   // are built for the same architectures.
   static hisparse::detail::per_device_flag built;
   const bool clusters = built.get([] {
-    void (*kernel)(decode_params<Q>) = &decode_selection_kernel<Q, D, kSelectCluster, false, float>;
+    void (*kernel)(decode_params<Q>) = &decode_selection_kernel<Q, D, kSelectCluster, false, fine_summary::mean>;
     return hisparse::detail::kernel_built_for_sm90(reinterpret_cast<const void*>(kernel));
   });
-  return clusters ? launch_selection<Q, D, kSelectCluster>(p, wide, rows, kv_heads, batch, stream)
-                  : launch_selection<Q, D, 1>(p, wide, rows, kv_heads, batch, stream);
+  return clusters ? launch_selection<Q, D, kSelectCluster>(p, wide, fine, kv_heads, batch, stream)
+                  : launch_selection<Q, D, 1>(p, wide, fine, kv_heads, batch, stream);
 }
 
 /// The checks decode and prefill selection share: the layer, and that the
 /// cache was built with the config's slice and block sizes and within what
 /// the ranking covers. `stage` names the caller in the message.
-inline status check_summaries(const SparseAttentionConfig& cfg, const cache_summaries& a, int layer,
+inline status check_summaries(const SparseAttentionConfig& cfg, const kv::summary_ref& a, int layer,
                               const char* stage) {
   const std::string who = std::string(stage) + " selection: ";
   if (layer < 0 || layer >= a.layers) return fail(status::invalid_argument, who + "layer out of range");
@@ -1299,15 +1238,35 @@ inline status check_summaries(const SparseAttentionConfig& cfg, const cache_summ
                 who + "the cache's slice/block sizes (" + std::to_string(a.fine_slice) + "/" +
                     std::to_string(a.coarse_block) + ") differ from the config's (" + std::to_string(cfg.fine_slice) +
                     "/" + std::to_string(cfg.coarse_block) + ")");
-  if (a.max_blocks > kMaxSelectCandidates)
+  if (a.max_blocks > kMaxCandidates)
     return fail(status::unsupported, who + "ranks at most 4096 blocks per sequence (the cache allows " +
-                                         std::to_string(a.max_blocks) + ")");
-  if (std::int64_t{cfg.top_k_coarse} * cfg.slices_per_block() > kMaxSelectCandidates)
-    return fail(status::unsupported, who + "ranks at most 4096 fine candidates (top_k_coarse * C / F)");
+                                         std::to_string(a.max_blocks) + ": lower its max_context)");
   return status::success;
 }
 
 }  // namespace detail
+
+/// How a decode selection launches, for a composer that plans around it
+/// (hierarchical_decode starts the attention beside it).
+struct decode_selection_profile {
+  /// CTAs per (sequence, KV head) at most: a cluster where the device and
+  /// the build run clusters, else one.
+  int ctas_per_head = 1;
+  /// Whether the fine stage is ranked on one warp of one CTA (the other
+  /// CTAs leave once the candidates are scored) or by a whole CTA.
+  bool fine_ranked_by_one_warp = false;
+};
+
+/// The profile of a selection of `cfg` over a cache of `max_blocks` blocks
+/// a sequence.
+[[nodiscard]] inline decode_selection_profile decode_selection_launch_profile(const SparseAttentionConfig& cfg,
+                                                                              std::int32_t max_blocks) {
+  // The fine stage's most candidates; a stage of no more than top_k_fine
+  // is kept whole, not ranked.
+  const int candidates = std::min(cfg.top_k_coarse, max_blocks) * cfg.slices_per_block();
+  return {detail::kSelectCluster,
+          candidates <= cfg.top_k_fine || detail::fits_warp_rank(candidates, cfg.top_k_fine)};
+}
 
 /// Checks a decode selection before any work: the config, the problem, and
 /// that the cache was built with the config's slice and block sizes.
@@ -1324,12 +1283,10 @@ template <class Q>
   using launch = typename decode_selection_arguments<Q>::dependents_launch;
   if (static_cast<unsigned>(a.dependents) > static_cast<unsigned>(launch::after_fine_scores))
     return bad("dependents is not one of at_start, after_blocks, after_fine_scores");
-  if (cfg.slice_summary_type == dtype::bf16 && a.slice_sums_bf16 == nullptr)
-    return bad("the config's slice_summary_type is bf16 and the cache keeps no bf16 slice sums "
-               "(paged_kv_cache_options::bf16_slice_sums)");
-  if (cfg.fine_score == slice_score::key_bounds && a.slice_bounds == nullptr)
-    return bad("the config's fine_score is key_bounds and the cache keeps no slice key bounds "
-               "(paged_kv_cache_options::slice_key_bounds)");
+  if (!a.keeps(cfg.fine_summary))
+    return bad("the config's fine_summary is " + std::string(name_of(cfg.fine_summary)) +
+               " and the cache does not keep it (paged_kv_cache_options::fine_summary is " +
+               std::string(name_of(a.fine)) + ")");
   return detail::check_summaries(cfg, a, a.layer, "decode");
 }
 
@@ -1356,15 +1313,9 @@ template <class Q>
   smem.partial = smem.bytes;
   smem.bytes += detail::kPartialBytes;
   const detail::decode_params<Q> p{a, out, cfg.window, cfg.top_k_coarse, cfg.top_k_fine, smem};
-  using detail::fine_rows;
-  const fine_rows rows = cfg.fine_score == slice_score::key_bounds ? fine_rows::key_bounds
-                         : cfg.slice_summary_type == dtype::bf16   ? fine_rows::bf16_sums
-                                                                   : fine_rows::fp32_sums;
-  switch (a.head_dim) {
-    case 64: return detail::launch_selection<Q, 64>(p, wide, rows, a.kv_heads, a.batch, stream);
-    case 128: return detail::launch_selection<Q, 128>(p, wide, rows, a.kv_heads, a.batch, stream);
-    default: return detail::launch_selection<Q, 256>(p, wide, rows, a.kv_heads, a.batch, stream);
-  }
+  return dispatch_head_dim(a.head_dim, [&](auto d) {
+    return detail::launch_selection<Q, d()>(p, wide, cfg.fine_summary, a.kv_heads, a.batch, stream);
+  });
 }
 
 /// The selection stage as a component (DESIGN.md section 2): a policy fixes

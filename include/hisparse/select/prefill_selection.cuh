@@ -37,11 +37,14 @@
 #include <cuda_runtime_api.h>
 
 #include "hisparse/config.hpp"
+#include "hisparse/contract.hpp"
+#include "hisparse/core/dispatch.hpp"
 #include "hisparse/core/dtype.hpp"
 #include "hisparse/core/status.hpp"
-#include "hisparse/core/async_copy.cuh"
+#include "hisparse/core/ptx.cuh"
 #include "hisparse/core/gpu_limits.hpp"
 #include "hisparse/select/decode_selection.cuh"
+#include "hisparse/tuning.hpp"
 
 namespace hisparse::select {
 
@@ -94,7 +97,10 @@ struct prefill_segment {
 /// tile offsets counted by the host with prefill_tiles); `num_tiles` is their
 /// total, the launch's grid.
 template <class Q>
-struct prefill_selection_arguments : cache_summaries {  // (the cache's lengths are not read)
+struct prefill_selection_arguments : kv::summary_ref {  // (the cache's lengths are not read)
+  /// The cache's summaries (kv::paged_kv_cache::ref() converts).
+  void set_cache(const kv::summary_ref& r) { static_cast<kv::summary_ref&>(*this) = r; }
+
   const Q* queries = nullptr;  ///< [total queries][num_q_heads][head_dim]
   const prefill_segment* segments = nullptr;
   int num_segments = 0;
@@ -112,10 +118,8 @@ struct prefill_selection_arguments : cache_summaries {  // (the cache's lengths 
   /// 3xTF32, as before.
   bool two_pass = true;
   /// Deepest candidate ring to use (1 or 2; the plan takes less where shared
-  /// memory is short). 1, the default, leaves room for 3 CTAs per H200 SM
-  /// at head_dim 128, which hide the loads better than a 2-deep ring
-  /// (PERF_NOTES: Prefill selection). An RTX 4090 fits one stage only.
-  int max_ring_stages = 1;
+  /// memory is short; tuning.hpp has why 1). An RTX 4090 fits one stage only.
+  int max_ring_stages = tuning::kPrefillRingStages;
 };
 
 /// Per tile and KV head: the kept slices (ascending, -1 padded) and their
@@ -143,6 +147,7 @@ HISPARSE_HOST_DEVICE constexpr int prefill_row_floats(int head_dim) { return hea
 HISPARSE_HOST_DEVICE constexpr int prefill_groups(bool tensor_cores) { return tensor_cores ? 4 : 16; }
 /// Queries per tile the kernel holds: the GEMM tile's M (query_tile <= 64).
 inline constexpr int kPrefillMaxQueries = 64;
+static_assert(kPrefillMaxQueries == hisparse::kMaxQueryTile, "config.hpp's query_tile limit is a CTA's queries");
 /// Shared-memory bytes of the tile's queries, and of one ring stage.
 HISPARSE_HOST_DEVICE constexpr int prefill_query_bytes(int head_dim) {
   return kPrefillMaxQueries * prefill_row_floats(head_dim) * 4;
@@ -164,48 +169,16 @@ struct prefill_params {
   int stages;           ///< 1 or 2
 };
 
-/// CTAs per SM the prefill kernel is compiled for (its register bound).
-/// sm_90: the measured 3 at every head_dim (80 registers). Below it, as many
-/// as its shared memory lets share an SM, at most 2: a 1-deep ring at
-/// head_dim 128 takes ~75 KB, so 2 fit an sm_80 SM (164 KB) and 1 an
-/// sm_86/89 one (100 KB), and a tighter register bound buys only spills
-/// (at 3, ptxas spilled ~200 bytes per kernel on sm_89 and up to ~1 KB of
-/// loads at head_dim 64 on sm_80; at these bounds none). fp32 CUDA cores: 1.
+/// CTAs per SM the prefill kernel is compiled for (its register bound;
+/// tuning.hpp). A CTA holds the queries and one ring stage, plus ~8 KB of
+/// ranking storage and the rest.
 HISPARSE_HOST_DEVICE constexpr int prefill_ctas_per_sm(int head_dim, bool tensor_cores) {
-  if (!tensor_cores) return 1;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  const int sm_bytes = __CUDA_ARCH__ == 800 || __CUDA_ARCH__ == 870 ? 164 * 1024 : 100 * 1024;
-  // The queries and one ring stage, plus ~8 KB of ranking storage and the rest.
-  const int cta_bytes = prefill_query_bytes(head_dim) + prefill_stage_bytes(head_dim) + 8 * 1024;
-  const int fit = sm_bytes / cta_bytes;
-  return fit < 1 ? 1 : fit > 2 ? 2 : fit;
-#else
-  (void)head_dim;
-  return 3;
-#endif
+  return tuning::prefill_ctas_per_sm(prefill_query_bytes(head_dim) + prefill_stage_bytes(head_dim) + 8 * 1024,
+                                     tensor_cores);
 }
 
-/// d += a b for one m16n8k8 tf32 tile, fp32 accumulation.
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-/// d += a b with A's four registers straight from a 16-byte load.
-__device__ __forceinline__ void mma_tf32(float (&d)[4], float4 a, float b0, float b1) {
-  const unsigned f[4] = {__float_as_uint(a.x), __float_as_uint(a.y), __float_as_uint(a.z), __float_as_uint(a.w)};
-  mma_tf32(d, f, __float_as_uint(b0), __float_as_uint(b1));
-}
-
-/// max(a, b), NaN if either is NaN (fmaxf would drop it).
-__device__ __forceinline__ float max_nan(float a, float b) {
-  float r;
-  asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
+using ptx::max_nan;   // NaN if either is NaN (fmaxf would drop it)
+using ptx::mma_tf32;  // d += a b, one m16n8k8 tf32 tile
 
 /// The fp32 bits of x cut to tf32 (the low 13 mantissa bits cleared): x -
 /// tf32_cut(x) is exact in fp32, so x = hi + lo splits without rounding.
@@ -605,10 +578,9 @@ __global__ void __launch_bounds__(kSelectThreads, prefill_ctas_per_sm(D, TensorC
     return;
   }
   // Step 1: the window of the tile.
-  const std::int32_t x = p0 - p.window + 1;
-  const std::int32_t ws = x <= 0 ? 0 : x / F * F;
-  const std::int32_t far_slices = ws / F;
-  const std::int32_t blocks = (ws + C - 1) / C;
+  const std::int32_t ws = contract::window_begin(p0, p.window, F);
+  const std::int32_t far_slices = contract::far_slices(ws, F);
+  const std::int32_t blocks = contract::candidate_blocks(ws, C);
   if (h == 0 && threadIdx.x == 0) p.out.window_begin[tile] = ws;
 
   // The group-summed queries of the tile (zeros past `valid`), row by row
@@ -656,10 +628,10 @@ __global__ void __launch_bounds__(kSelectThreads, prefill_ctas_per_sm(D, TensorC
     if (threadIdx.x % 32 == 0) atomicMax(&sh.qnorm2, qtop);
   }
 
-  const std::int64_t seq_layer = std::int64_t{seg.slot} * in.layers + in.layer;
-  const std::int64_t head_stride = std::int64_t{in.kv_heads} * D;
-  const float* slice_base = in.slice_sums + (seq_layer * in.max_slices * in.kv_heads + h) * D;
-  const float* block_base = in.block_sums + (seq_layer * in.max_blocks * in.kv_heads + h) * D;
+  const std::int64_t seq_layer = in.seq_layer(seg.slot, in.layer);
+  const std::int64_t head_stride = in.row_stride();
+  const float* slice_base = in.slice_sums + in.slice_row(seq_layer, h);
+  const float* block_base = in.block_sums + in.block_row(seq_layer, h);
 
   // Step 4: blocks; the one holding ws (if partial) by its far slices' sums,
   // added up here once (score_candidates starts with a barrier).
@@ -688,7 +660,7 @@ __global__ void __launch_bounds__(kSelectThreads, prefill_ctas_per_sm(D, TensorC
   // Step 5: the far slices of the kept blocks (only the last kept block can
   // reach past ws, so the real candidates are exactly the first `candidates`).
   auto slice_of = [&](int c) { return kept_blocks[c / spb] * spb + c % spb; };
-  const int candidates = kept == 0 ? 0 : kept * spb - max(0, (kept_blocks[kept - 1] + 1) * spb - far_slices);
+  const int candidates = kept == 0 ? 0 : contract::fine_candidates(kept, kept_blocks[kept - 1], spb, far_slices);
   std::int32_t* out_slices = p.out.kept_slices + at * p.top_k_fine;
   const int kept_slices = filter_stage<D, Wide, TensorCores>(
       candidates, p.top_k_fine, in.two_pass, valid, p.stages, qs, ring, red, partial, slice_base, fine_scores, keep,
@@ -763,9 +735,6 @@ template <class Q>
   auto bad = [](const std::string& why) { return fail(status::invalid_argument, "prefill selection: " + why); };
   if (a.num_segments < 1 || a.num_tiles < 1) return bad("no segments or no tiles");
   if (a.num_tiles > 65535) return fail(status::unsupported, "prefill selection: at most 65535 tiles per launch");
-  if (cfg.query_tile > detail::kPrefillMaxQueries)
-    return fail(status::unsupported, "prefill selection: query_tile " + std::to_string(cfg.query_tile) +
-                                         " exceeds the 64 queries a CTA holds");
   if (a.queries == nullptr || a.segments == nullptr || a.slice_sums == nullptr || a.block_sums == nullptr)
     return bad("queries, segments and the cache's summaries must not be null");
   if (out.kept_slices == nullptr || out.num_slices == nullptr || out.window_begin == nullptr)
@@ -787,11 +756,9 @@ template <class Q>
   p.top_k_coarse = cfg.top_k_coarse;
   p.top_k_fine = cfg.top_k_fine;
   p.query_tile = cfg.query_tile;
-  switch (a.head_dim) {
-    case 64: return detail::launch_prefill_selection<Q, 64>(p, cfg, wide, a.use_tensor_cores, stream);
-    case 128: return detail::launch_prefill_selection<Q, 128>(p, cfg, wide, a.use_tensor_cores, stream);
-    default: return detail::launch_prefill_selection<Q, 256>(p, cfg, wide, a.use_tensor_cores, stream);
-  }
+  return dispatch_head_dim(a.head_dim, [&](auto d) {
+    return detail::launch_prefill_selection<Q, d()>(p, cfg, wide, a.use_tensor_cores, stream);
+  });
 }
 
 }  // namespace hisparse::select

@@ -41,7 +41,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include "hisparse/core/ptx.cuh"
 #include "hisparse/core/status.hpp"
+#include "hisparse/tuning.hpp"
 #include "hisparse/select/topk_keys.hpp"
 
 namespace hisparse::select {
@@ -275,9 +277,7 @@ __device__ __forceinline__ void warp_bitonic_sort(topk_key (&v)[KPL]) {
   for (int size = 2; size <= 32 * KPL; size <<= 1) warp_bitonic_merge(v, size, lane);
 }
 
-/// Keys warp_top_k sorts in one pass at most: 4 a lane (block_topk's
-/// register bound of 6 CTAs an SM leaves no room for 8).
-inline constexpr int kWarpSortKeys = 128;
+inline constexpr int kWarpSortKeys = tuning::kWarpSortKeys;
 
 /// One warp's k largest of n (score bits, index) pairs in shared memory
 /// (1 <= k <= n, k < 32 KPL), as keys, descending, to out[0, k) (shared, not
@@ -663,9 +663,7 @@ class block_topk {
 #pragma unroll
       for (int j = 0; j < E; ++j)
         if (mask & (1u << j)) {
-          asm("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(at), "r"(__float_as_uint(x[j])),
-              "r"(index + entry_offset<Vec>(j))
-              : "memory");
+          ptx::st_shared_v2(at, __float_as_uint(x[j]), index + entry_offset<Vec>(j));
           at += sizeof(uint2);
         }
     }
@@ -722,8 +720,8 @@ inline constexpr int kMaxBatchedTopK = 2048;
 
 namespace detail {
 
-inline constexpr int kTopkThreads = 256;
-inline constexpr int kMaxKeysPerThread = 16;
+inline constexpr int kTopkThreads = tuning::kTopkThreads;
+inline constexpr int kMaxKeysPerThread = tuning::kTopkKeysPerThread;
 inline constexpr int kChunkKeys = kTopkThreads * kMaxKeysPerThread;  ///< keys one block holds in registers
 
 __device__ __forceinline__ int row_length(const std::int32_t* lengths, int row, int n) {
@@ -851,26 +849,10 @@ __device__ __forceinline__ void rank_score_chunk(typename block_topk<kTopkThread
   }
 }
 
-/// The CTAs an SM block_topk_kernel asks ptxas to fit (its register bound).
-/// The filtered kernel at E = 16 is held to 40 registers (6 CTAs an SM, not
-/// 5 at its natural 48): 3-4% faster on the H200 than 5. Where every chunk
-/// loads as runs of four (no strided loads to hold predicates and fills for)
-/// it fits 32 registers without spilling, and 8 CTAs an SM run 8192 x 4096
-/// 4-5% faster than 6; the strided loads spill 76 bytes there. At E <= 8 a
-/// bound would lift 32 registers to 40 (8 CTAs to 6) and cost 5%, so none
-/// (0 is "none", which 1 is not: ptxas schedules differently under it).
-/// (Capped at the threads an SM holds, where 8 x 256 would be an error:
-/// sm_80, sm_90 and sm_100 are taken as 2048, every other target as 1536,
-/// which sm_86, sm_89 and sm_120 have; one with 2048 not listed only gets
-/// the lower bound.)
+/// CTAs an SM block_topk_kernel asks ptxas to fit (tuning.hpp).
 template <int E, block_input In, bool Runs>
 constexpr int block_topk_min_blocks() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ != 800 && __CUDA_ARCH__ != 900 && __CUDA_ARCH__ != 1000
-  constexpr int kThreadsPerSm = 1536;
-#else
-  constexpr int kThreadsPerSm = 2048;
-#endif
-  return In == block_input::scores_filtered && E == 16 ? std::min(Runs ? 8 : 6, kThreadsPerSm / kTopkThreads) : 0;
+  return tuning::topk_min_blocks_per_sm<E, In == block_input::scores_filtered, Runs>();
 }
 
 /// One block per (row, chunk of 256 * E inputs). Inputs are scores (first
@@ -920,8 +902,7 @@ __global__ void __launch_bounds__(kTopkThreads, block_topk_min_blocks<E, In, Run
   }
   // The block's index read again, not kept: held across the two ranking
   // paths, ptxas spilled row and chunk at the 40 registers of 6 CTAs an SM.
-  unsigned block_index;
-  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(block_index));
+  const unsigned block_index = ptx::block_index_x();
   if (chunks == 1) {
     for (int i = threadIdx.x; i < k; i += kTopkThreads)
       write_result(sorted[i], scores, row_stride, static_cast<int>(block_index), i, k, out_values, out_indices);
