@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <fstream>
 #include <functional>
 #include <sstream>
 #include <string>
@@ -83,6 +84,20 @@ inline sweep parse_sweep(int& argc, char** argv, sweep s) {
   return s;
 }
 
+/// The NVIDIA kernel driver's version ("580.159.04"), from
+/// /proc/driver/nvidia/version on Linux; "unknown" elsewhere.
+inline std::string kernel_driver_version() {
+  std::ifstream in("/proc/driver/nvidia/version");
+  std::string line;
+  std::getline(in, line);
+  const auto at = line.find("Kernel Module");
+  if (at == std::string::npos) return "unknown";
+  std::stringstream words(line.substr(at + 13));
+  std::string v;
+  words >> v;
+  return v.empty() ? "unknown" : v;
+}
+
 /// The device this process runs on, and the build, in the JSON's context.
 inline void add_device_context() {
   int device = 0;
@@ -102,7 +117,8 @@ inline void add_device_context() {
     benchmark::AddCustomContext("gpu_sm_clock_max_mhz", std::to_string(clock_khz / 1000));
     benchmark::AddCustomContext("gpu_mem_clock_max_mhz", std::to_string(mem_khz / 1000));
     benchmark::AddCustomContext("gpu_memory_gib", std::to_string(static_cast<double>(p.totalGlobalMem) / (1 << 30)));
-    benchmark::AddCustomContext("gpu_driver", version(driver));
+    benchmark::AddCustomContext("gpu_driver", kernel_driver_version());
+    benchmark::AddCustomContext("cuda_driver_api", version(driver));
     benchmark::AddCustomContext("cuda_runtime", version(runtime));
   }
   benchmark::AddCustomContext("hisparse_commit", HISPARSE_BUILD_COMMIT);

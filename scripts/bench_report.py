@@ -46,7 +46,7 @@ TUNED_COLUMNS = (
     ("BM_step_tile", ("step_us", "splits", "stages", "ctas_per_sm")),
 )
 CONTEXT_KEYS = ("date", "host_name", "gpu_name", "gpu_cc", "gpu_sms", "gpu_sm_clock_max_mhz",
-                "gpu_mem_clock_max_mhz", "gpu_memory_gib", "gpu_driver", "cuda_runtime", "hisparse_commit",
+                "gpu_mem_clock_max_mhz", "gpu_memory_gib", "gpu_driver", "cuda_driver_api", "cuda_runtime", "hisparse_commit",
                 "hisparse_dirty")
 COMPARE_METRICS = ("step_us", "selection_us", "attention_us", "dense_us", "speedup_vs_dense", "replay_us",
                    "eager_us", "median_us", "ms")
