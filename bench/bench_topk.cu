@@ -18,6 +18,7 @@
 #include <cub/device/device_segmented_radix_sort.cuh>
 #include <cub/device/device_segmented_sort.cuh>
 
+#include "hisparse/select/batched_topk.cuh"
 #include "hisparse/select/topk.cuh"
 #include "workload/synthetic.hpp"
 #include "bench_support.hpp"

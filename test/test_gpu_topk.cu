@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "gpu_test.hpp"
+#include "hisparse/select/batched_topk.cuh"
 #include "hisparse/select/topk.cuh"
 #include "test_support.hpp"
 

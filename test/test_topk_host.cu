@@ -2,6 +2,7 @@
 // argument check answer before any CUDA call, so they are CPU tests.
 #include <catch2/catch.hpp>
 
+#include "hisparse/select/batched_topk.cuh"
 #include "hisparse/select/topk.cuh"
 
 using namespace hisparse;
