@@ -292,3 +292,42 @@ TEST_CASE("the composed step's workspace covers every smaller batch", "[attentio
   std::size_t bytes = 0;
   CHECK(op.workspace_bytes(a, 132, bytes) == status::invalid_argument);
 }
+
+TEST_CASE("a composed workspace places each stage's part after the last, 256-byte aligned", "[runtime][compose]") {
+  constexpr auto l = workspace_layout<4>::of({1000, 0, 256, 1});
+  STATIC_REQUIRE(l.offset[0] == 0);
+  STATIC_REQUIRE(l.offset[1] == 1024);
+  STATIC_REQUIRE(l.offset[2] == 1024);  // an empty part takes no room
+  STATIC_REQUIRE(l.offset[3] == 1280);
+  STATIC_REQUIRE(l.total == 1536);
+  // Every stage is checked in order; the first failure is the answer and
+  // the checks after it do not run.
+  int ran = 0;
+  auto ok = [&] { ++ran; return status::success; };
+  auto bad = [&] { ++ran; return status::unsupported; };
+  CHECK(can_implement_all(ok, ok) == status::success);
+  CHECK(ran == 2);
+  ran = 0;
+  CHECK(can_implement_all(ok, bad, ok) == status::unsupported);
+  CHECK(ran == 2);
+}
+
+TEST_CASE("the composed step's checks name the stage that refuses", "[runtime][compose]") {
+  hierarchical_decode<bf16> op(SparseAttentionConfig{});
+  decode_step_arguments<bf16> a;
+  a.queries = fake_queries;
+  a.slots = fake_ints;
+  a.num_q_heads = 32;
+  a.batch = 4;
+  a.cache = fake_cache(4096);
+  a.out = fake_queries;
+  CHECK(op.can_implement(a) == status::success);
+  auto no_lengths = a;
+  no_lengths.cache.lengths = nullptr;
+  CHECK(op.can_implement(no_lengths) == status::invalid_argument);
+  CHECK_THAT(last_error(), Catch::Contains("decode selection"));
+  auto no_out = a;
+  no_out.out = nullptr;
+  CHECK(op.can_implement(no_out) == status::invalid_argument);
+  CHECK_THAT(last_error(), Catch::Contains("decode attention"));
+}

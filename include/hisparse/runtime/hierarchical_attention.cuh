@@ -18,6 +18,7 @@
 // a selection policy and checks it there.
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -29,6 +30,7 @@
 #include "hisparse/core/status.hpp"
 #include "hisparse/kv/paged_kv_ref.hpp"
 #include "hisparse/policy/selection_policy.hpp"
+#include "hisparse/runtime/compose.hpp"
 #include "hisparse/select/decode_selection.cuh"
 
 namespace hisparse {
@@ -79,12 +81,13 @@ class hierarchical_decode {
 
   [[nodiscard]] const SparseAttentionConfig& config() const { return cfg_; }
 
+  /// Every stage's check: the config, the selection, and the attention (on
+  /// the dense form of the same arguments: the selection buffers live in
+  /// the workspace).
   [[nodiscard]] status can_implement(const arguments& a) const {
-    HISPARSE_TRY(check(cfg_));
-    HISPARSE_TRY(select::can_implement_decode_selection(cfg_, selection_arguments(a)));
-    // The selection buffers live in the workspace, so the shape checks run
-    // on the dense form of the same arguments.
-    return attention::can_implement_decode_attention(attention_arguments(a, nullptr, nullptr));
+    return can_implement_all([&] { return check(cfg_); },
+                             [&] { return select::can_implement_decode_selection(cfg_, selection_arguments(a)); },
+                             [&] { return attention::can_implement_decode_attention(attention_arguments(a, nullptr, nullptr)); });
   }
 
   /// Workspace bytes for `a` on the current device (queries the SM count):
@@ -245,13 +248,16 @@ class hierarchical_decode {
     l.attention_launch = !beside     ? dependents_launch::at_start
                          : warp_ranks ? dependents_launch::after_blocks
                                       : dependents_launch::after_fine_scores;
-    auto align = [](std::size_t x) { return (x + 255) / 256 * 256; };
     const std::size_t rows = static_cast<std::size_t>(a.batch) * a.cache.kv_heads;
-    l.attention = 0;
-    l.kept = align(l.attention_plan.workspace_bytes);
-    l.num = l.kept + align(rows * cfg_.top_k_fine * sizeof(std::int32_t));
-    l.window = l.num + align(rows * sizeof(std::int32_t));
-    l.total = l.window + align(static_cast<std::size_t>(a.batch) * sizeof(std::int32_t));
+    const std::array<std::size_t, 4> bytes{l.attention_plan.workspace_bytes,
+                                           rows * cfg_.top_k_fine * sizeof(std::int32_t), rows * sizeof(std::int32_t),
+                                           static_cast<std::size_t>(a.batch) * sizeof(std::int32_t)};
+    const auto parts = workspace_layout<4>::of(bytes);
+    l.attention = parts.offset[0];
+    l.kept = parts.offset[1];
+    l.num = parts.offset[2];
+    l.window = parts.offset[3];
+    l.total = parts.total;
     return status::success;
   }
 
