@@ -642,9 +642,9 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
     __syncthreads();  // the round (and, first time, the weights) for every thread
     const int n = min(per_round, active - sp0);
     // kPerThread independent chains per split, without a branch between
-    // them (a guarded element made each one wait for its own loads: 6 us at
-    // 25 splits); elements past the heads read the last head and are not
-    // stored.
+    // them (a guarded element makes each wait for its own loads; PERF_NOTES:
+    // Decode attention); elements past the heads read the last head and are
+    // not stored.
     for (int u = 0; u < n; ++u)
 #pragma unroll
       for (int j = 0; j < kPerThread; ++j) {
@@ -790,9 +790,7 @@ template <tile_policy Tile = kDecodeTile, class T>
   plan.ctas_per_sm = std::max(1, std::min(detail::register_ctas_per_sm(a.cache.head_dim, Tile.warps),
                                           gpu.smem_per_sm / (plan.smem_bytes + detail::kStaticSmem)));
   // As many splits as fill one wave, not more: a second, partial wave costs
-  // a whole CTA lifetime. (Running the window's runs beside the selection
-  // and only the kept ones after it measured slower: 59.4 against 52.0 us
-  // per step at B = 8, T = 256K; the extra CTAs took a second wave.)
+  // a whole CTA lifetime (PERF_NOTES: Decode attention).
   plan.sparse = a.sparse();
   const std::int64_t per_split = std::int64_t{a.batch} * a.cache.kv_heads * plan.head_splits;
   const std::int64_t slots = std::int64_t{plan.ctas_per_sm} * std::max(gpu.sms, 1) - std::max(reserved_ctas, 0);
@@ -800,9 +798,8 @@ template <tile_policy Tile = kDecodeTile, class T>
   std::int64_t splits_wanted = std::min<std::int64_t>(want, detail::kMaxSplits);
   // A sparse run has few items per (sequence, KV head) (25 by default), and
   // merging more than a cluster's 8 splits through the workspace costs more
-  // than the extra CTAs gain: at B = 1, T = 256K, 7 splits merged in a
-  // cluster took the step from 24.0 to 22.8 us against 25 (H200). A dense
-  // run streams thousands of slices and keeps every CTA it can fill.
+  // than the extra CTAs gain (PERF_NOTES: Decode attention). A dense run
+  // streams thousands of slices and keeps every CTA it can fill.
   const auto cluster_fits = [&](std::int64_t splits) {
     return a.sparse() && gpu.cc_major >= 9 && splits >= 2 && splits <= detail::kMaxClusterSplits &&
            detail::cluster_merge_end(Tile.warps, plan.heads_per_cta, static_cast<int>(splits), a.cache.head_dim) <=
@@ -813,13 +810,11 @@ template <tile_policy Tile = kDecodeTile, class T>
   plan.slices_per_split = static_cast<int>(std::max<std::int64_t>(1, (a.max_items + splits_wanted - 1) / splits_wanted));
   plan.splits = (a.max_items + plan.slices_per_split - 1) / plan.slices_per_split;
   // A sparse run's splits merge as a cluster where the partials fit in the
-  // ring past the warps' merge (H200, B = 8, T = 256K: 3 splits of 4 heads,
-  // 6 KB past 18 KB of a 96 KB ring). Partials in shared memory of their
-  // own measured slower: 39.6 against 38.3 us per step at B = 8 (6 KB more
-  // per CTA: fewer attention CTAs start beside the selection's). A dense
-  // run does not cluster: its grid fills the wave, and clusters of 4 that
-  // must share a GPC did not all fit at once (B = 8, T = 256K: 3.24 ms
-  // against 1.95), for a merge that is a few microseconds of milliseconds.
+  // ring past the warps' merge (not in shared memory of their own: more per
+  // CTA, fewer attention CTAs beside the selection's). A dense run does not
+  // cluster: its grid fills the wave, and clusters that must share a GPC do
+  // not all fit at once, for a merge of microseconds in milliseconds
+  // (PERF_NOTES: Decode attention).
   plan.cluster_merge = cluster_fits(plan.splits);
   plan.merge_offset = plan.cluster_merge ? detail::cluster_merge_offset(Tile.warps, a.cache.head_dim) : 0;
   if (std::int64_t{a.cache.kv_heads} * plan.head_splits > 65535 || a.batch > 65535)

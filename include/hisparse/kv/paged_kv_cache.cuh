@@ -81,9 +81,7 @@ struct append_desc {
 inline constexpr int kAppendThreads = tuning::kAppendThreads;
 inline constexpr int kMaxHeadDim = 256;
 // Descriptors ride in the kernel parameters (4 KB on every supported arch)
-// when they fit: decode batches up to 32 sequences and prefill chunks up to
-// 256 pages (16K tokens at F = 64) launch with no host-to-device copy, which
-// measured as the largest fixed cost of a 4K-token append.
+// when they fit (tuning.hpp).
 inline constexpr int kInlineSegments = tuning::kInlineSegments;
 inline constexpr int kInlinePages = tuning::kInlinePages;
 

@@ -80,10 +80,10 @@ struct decode_selection_arguments : kv::summary_ref {
   /// each at the defaults) is configured for ~100 KB of shared memory, and a
   /// kernel launched as this one's programmatic dependent whose CTAs need
   /// more (the decode attention's take ~100 KB) cannot start on it until
-  /// every selection CTA there has left. The price is L1: the selection
-  /// alone measured 0.5 us slower at B = 8 (1.5 at B = 32) on an H200, so
-  /// hierarchical_decode::run asks for it only where the attention needs
-  /// the selection's SMs and there is room on them (see there).
+  /// every selection CTA there has left. The price is L1 (the selection
+  /// alone is slower; PERF_NOTES: Decode step), so hierarchical_decode::run
+  /// asks for it only where the attention needs the selection's SMs and
+  /// there is room on them (see there).
   bool max_shared_carveout = false;
   /// When a programmatic dependent (hierarchical_decode::run's attention)
   /// may launch: as this kernel starts, once the blocks are ranked, or once
@@ -305,8 +305,8 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   if (by_warp) {  // uniform across the CTA
     // Warp 0 ranks alone; the others wait only to learn whether it could
     // (more than kWarpRankSurvivors survivors: the CTA's filter below).
-    // It writes num_slices itself, before the barrier: the same write at
-    // the common end below, after it, measured ~0.1 us slower (H200).
+    // It writes num_slices itself, before the barrier (sooner than at the
+    // common end below).
     if (t < 32) {
       const int n = warp_rank_filter(fine_scores, candidates, p.top_k_fine, keys);
       if (t == 0) fine_survivors = n;

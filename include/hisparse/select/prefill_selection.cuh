@@ -16,9 +16,8 @@
 // (4 x 4 outputs per thread). Candidates sit row by row in shared memory
 // (D + 4 floats a row), arriving by cp.async (4 threads a row); the queries
 // row by row too (CUDA cores) or in mma fragment order (tensor cores). With
-// `max_ring_stages = 2` the next round streams in while this one is scored,
-// but on an H200 the default single buffer wins (it leaves room for a third
-// CTA per SM).
+// `max_ring_stages = 2` the next round streams in while this one is scored
+// (tuning.hpp: why one stage is the default).
 // Ranking and compaction are the decode selection's (mark_top_k,
 // compact_marked): ties to the lower index, kept slices ascending, padded
 // with -1.

@@ -352,12 +352,10 @@ __host__ __device__ inline bool fits_warp_rank(int count, int k) {
 /// lane maximum far from the rest (an infinite score, a lane of NaN or
 /// -inf) widens the buckets again.
 ///
-/// Shuffles and shared-memory loads share the SM's MIO queue with the
-/// decode attention's ldmatrix and cp.async traffic when its CTAs run
-/// beside this one (hierarchical_decode::run): the same ranking with the
-/// threshold counted by 31 shuffles measured 36.6 us per decode step
-/// against 36.0 with the ballots (H200, B = 8, T = 256K), though both take
-/// the same time alone.
+/// Ballots, not shuffles, count the threshold: shuffles and shared-memory
+/// loads share the SM's MIO queue with the decode attention's ldmatrix and
+/// cp.async traffic when its CTAs run beside this one
+/// (hierarchical_decode::run; PERF_NOTES: Decode selection).
 __device__ __forceinline__ int warp_rank_filter(const float* scores, int count, int k, topk_key* survivors) {
   const int lane = static_cast<int>(threadIdx.x & 31);
   std::uint32_t o[kWarpRankPerLane];  // 0 past count (NaN is 0 too: validity is tested apart)
