@@ -267,14 +267,23 @@ TEST_CASE("decode attention refuses a plan made for another shape, before launch
         status::invalid_argument);
 }
 
-TEST_CASE("the composed step's workspace covers every smaller batch", "[attention][plan]") {
-  hierarchical_decode<bf16> op(SparseAttentionConfig{});
+namespace {
+/// Shape-only arguments of a composed step over a 4096-slice cache.
+decode_step_arguments<bf16> fake_step_args(int batch) {
   decode_step_arguments<bf16> a;
   a.queries = fake_queries;
   a.slots = fake_ints;
   a.num_q_heads = 32;
+  a.batch = batch;
   a.cache = fake_cache(4096);
   a.out = fake_queries;
+  return a;
+}
+}  // namespace
+
+TEST_CASE("the composed step's workspace covers every smaller batch", "[attention][plan]") {
+  hierarchical_decode<bf16> op(SparseAttentionConfig{});
+  auto a = fake_step_args(1);
   for (const int planned : {1, 7, 16, 50}) {
     INFO("planned batch " << planned);
     a.batch = planned;
@@ -314,13 +323,7 @@ TEST_CASE("a composed workspace places each stage's part after the last, 256-byt
 
 TEST_CASE("the composed step's checks name the stage that refuses", "[runtime][compose]") {
   hierarchical_decode<bf16> op(SparseAttentionConfig{});
-  decode_step_arguments<bf16> a;
-  a.queries = fake_queries;
-  a.slots = fake_ints;
-  a.num_q_heads = 32;
-  a.batch = 4;
-  a.cache = fake_cache(4096);
-  a.out = fake_queries;
+  const auto a = fake_step_args(4);
   CHECK(op.can_implement(a) == status::success);
   auto no_lengths = a;
   no_lengths.cache.lengths = nullptr;
