@@ -8,6 +8,9 @@
 #   HISPARSE_BENCH     regex of benchmark programs to run (default: all; "none": none)
 #   HISPARSE_SANITIZE  regex of test binaries to sanitize (default: all; "none": none)
 #   HISPARSE_DEMO=1    also run the demo (its table goes to stdout)
+#   HISPARSE_BUILD_COMMIT / HISPARSE_BUILD_DIRTY  the commit the benchmark JSON
+#                      names, where the host's copy of the tree lacks its git
+#                      history (cmake/commit_header.cmake)
 set -uo pipefail
 out=${1:?usage: scripts/gpu-check.sh OUT_DIR}
 root=$(cd "$(dirname "$0")/.." && pwd)
