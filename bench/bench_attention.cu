@@ -278,16 +278,19 @@ inline constexpr tile_policy kTile128x8x2{1, 128, 8, 2};
 
 /// BM_decode_step/preset:P/dtype:E/D:d/B:b/T:t for every point of the sweep.
 void register_decode_steps(const bench::sweep& axes) {
+  for (const auto& dtype : axes.dtype)
+    if (dtype != "bf16" && dtype != "fp16") throw error(status::invalid_argument, "--dtype: bf16 or fp16");
+  for (const auto d : axes.head_dim)
+    if (d != 64 && d != 128 && d != 256) throw error(status::invalid_argument, "--head_dim: 64, 128 or 256");
+  for (const auto t : axes.context)
+    if (t > (std::int64_t{1} << 30)) throw error(status::invalid_argument, "--context: at most 2^30");
   const preset_registry presets;
-  for (const auto& name : axes.preset)
+  for (const auto& name : axes.preset) {
+    const SparseAttentionConfig cfg = presets.get(presets.find(name));
     for (const auto& dtype : axes.dtype)
       for (const auto d : axes.head_dim)
         for (const auto b : axes.batch)
           for (const auto t : axes.context) {
-            const SparseAttentionConfig cfg = presets.get(presets.find(name));
-            if (dtype != "bf16" && dtype != "fp16") throw error(status::invalid_argument, "--dtype: bf16 or fp16");
-            if (d != 64 && d != 128 && d != 256) throw error(status::invalid_argument, "--head_dim: 64, 128 or 256");
-            if (t > (std::int64_t{1} << 30)) throw error(status::invalid_argument, "--context: at most 2^30");
             const std::string id = "BM_decode_step/preset:" + name + "/dtype:" + dtype + "/D:" + std::to_string(d) +
                                    "/B:" + std::to_string(b) + "/T:" + std::to_string(t);
             const int batch = static_cast<int>(b), dim = static_cast<int>(d);
@@ -301,6 +304,7 @@ void register_decode_steps(const bench::sweep& axes) {
             };
             benchmark::RegisterBenchmark(id.c_str(), run)->UseManualTime()->Unit(benchmark::kMicrosecond);
           }
+  }
 }
 
 }  // namespace

@@ -117,6 +117,11 @@ struct config_error_info {
 /// means whatever the config names: the kind is the decode fine filter's.
 enum class fine_summary : std::uint8_t { mean = 0, mean_bf16 = 1, key_bounds = 2 };
 
+/// Whether `s` is one of the kinds above (a cast can make any byte).
+[[nodiscard]] constexpr bool is_valid(fine_summary s) noexcept {
+  return s == fine_summary::mean || s == fine_summary::mean_bf16 || s == fine_summary::key_bounds;
+}
+
 [[nodiscard]] constexpr std::string_view name_of(fine_summary s) noexcept {
   switch (s) {
     case fine_summary::mean: return "mean";
@@ -155,8 +160,7 @@ struct SparseAttentionConfig {
     if (fine_candidates() > kMaxCandidates) return config_error::fine_candidates_must_not_exceed_kMaxCandidates;
     if (query_tile < 1 || query_tile > kMaxQueryTile)
       return config_error::query_tile_must_be_in_1_to_kMaxQueryTile;
-    if (fine_summary != hisparse::fine_summary::mean && fine_summary != hisparse::fine_summary::mean_bf16 &&
-        fine_summary != hisparse::fine_summary::key_bounds)
+    if (!is_valid(fine_summary))
       return config_error::fine_summary_must_be_mean_mean_bf16_or_key_bounds;
     return config_error::none;
   }
@@ -249,7 +253,8 @@ status report(const T& value, std::string_view type_name) {
     if ((t + c.coarse_block - 1) / c.coarse_block > kMaxCandidates)
       return fail(status::invalid_argument,
                   "context length of sequence " + std::to_string(i) + " is " + std::to_string(t) +
-                      ": more than 4096 coarse blocks of " + std::to_string(c.coarse_block) +
+                      ": more than " + std::to_string(kMaxCandidates) + " coarse blocks of " +
+                      std::to_string(c.coarse_block) +
                       " tokens (what one selection stage ranks)");
   }
   return status::success;

@@ -633,8 +633,7 @@ class paged_kv_cache {
       bad("coarse_block must be a multiple of fine_slice");
     if (o.max_sequences < 1 || o.max_sequences > 4096) bad("max_sequences must be in [1, 4096]");
     if (o.max_context < 1 || o.max_context > kMaxContext) bad("max_context must be in [1, 2^30]");
-    if (o.fine_summary != fine_summary::mean && o.fine_summary != fine_summary::mean_bf16 &&
-        o.fine_summary != fine_summary::key_bounds)
+    if (!is_valid(o.fine_summary))
       bad("fine_summary must be mean, mean_bf16 or key_bounds");
     if (o.fine_summary != fine_summary::mean && !o.maintain_summaries)
       bad("fine_summary " + std::string(name_of(o.fine_summary)) + " needs maintain_summaries");

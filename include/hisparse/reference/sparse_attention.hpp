@@ -296,7 +296,7 @@ template <class T>
   const std::int64_t n = seq.num_queries();
   const std::int64_t last_tile = tile_begin(seq.q_begin + n - 1, query_tile);
   const std::vector<double> smeans = slice_means(seq.keys, c, window_begin(last_tile, c));
-  if (fine != fine_summary::mean && fine != fine_summary::mean_bf16 && fine != fine_summary::key_bounds)
+  if (!is_valid(fine))
     throw error(status::invalid_argument, "fine must be mean, mean_bf16 or key_bounds");
   const std::vector<double> bf16_means = fine == fine_summary::mean_bf16
                                              ? slice_means(seq.keys, c, window_begin(last_tile, c), fine)
