@@ -43,33 +43,6 @@ kv::paged_kv_cache_options cache_options(const SparseAttentionConfig& cfg, int b
   return o;
 }
 
-/// Fills `batch` sequences of `context` tokens of random keys and values
-/// (every element N(key_mean, 1)),
-/// appended in 16K-token chunks drawn afresh on the device, and returns
-/// their slots. Every block and slice sum differs: one chunk appended again
-/// and again (as this did until 2026-11-30) repeats each block score 16
-/// times at 256K, and those ties doubled the ranking's survivors.
-std::vector<std::int32_t> fill_cache(cache_type& cache, int batch, std::int32_t context, workload::splitmix64& rng,
-                                     float key_mean = 0.0f) {
-  constexpr std::int32_t kChunk = 16384;
-  const std::size_t chunk_elems = static_cast<std::size_t>(kChunk) * kKvHeads * kDim;
-  device_array<bf16> chunk(chunk_elems);
-  std::vector<std::int32_t> slots(static_cast<std::size_t>(batch));
-  for (auto& s : slots) {
-    int slot = 0;
-    throw_if_error(cache.add_sequence(context, slot));
-    s = slot;
-    for (std::int32_t done = 0; done < context; done += kChunk) {
-      const std::int32_t n = std::min(kChunk, context - done);
-      bench::fill_normal(chunk.ptr, chunk_elems, rng.next(), key_mean);
-      throw_if_error(
-          cache.append_async(0, std::vector<kv::append_segment>{{slot, 0, n}}, chunk.ptr, chunk.ptr, nullptr));
-    }
-  }
-  HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
-  return slots;
-}
-
 void decode_selection(benchmark::State& state, const SparseAttentionConfig& cfg, int batch, std::int32_t context,
                       float key_mean) {
   // Bytes a selection must read: every candidate block's sum, the kept
@@ -86,7 +59,7 @@ void decode_selection(benchmark::State& state, const SparseAttentionConfig& cfg,
   mr::device_pool_resource device;
   cache_type cache(device, cache_options(cfg, batch * copies, context));
   workload::splitmix64 rng(3);
-  const auto slots = fill_cache(cache, batch * copies, context, rng, key_mean);
+  const auto slots = bench::fill_cache(cache, batch * copies, context, rng, key_mean);
   std::vector<bf16> q(static_cast<std::size_t>(batch) * kQHeads * kDim);
   for (auto& x : q) x = from_float<bf16>(static_cast<float>(rng.normal()));
   const device_array<bf16> d_q(q);
@@ -151,7 +124,7 @@ void BM_prefill_selection(benchmark::State& state) {
   mr::device_pool_resource device;
   cache_type cache(device, cache_options(cfg, 1, context));
   workload::splitmix64 rng(5);
-  const auto slots = fill_cache(cache, 1, context, rng);
+  const auto slots = bench::fill_cache(cache, 1, context, rng);
   // Every position's queries (1G values at 256K): drawn on the device.
   const std::size_t q_elems = static_cast<std::size_t>(context) * kQHeads * kDim;
   const device_array<bf16> d_q(q_elems);

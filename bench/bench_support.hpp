@@ -13,6 +13,9 @@
 
 #include "hisparse/core/dtype.hpp"
 #include "hisparse/core/status.hpp"
+#ifdef __CUDACC__
+#include "hisparse/kv/paged_kv_cache.cuh"
+#endif
 
 namespace hisparse::bench {
 
@@ -131,6 +134,34 @@ template <class T>
 void fill_normal(T* x, std::size_t n, std::uint64_t seed, float mean = 0.0f, cudaStream_t stream = nullptr) {
   fill_normal_kernel<<<1024, 256, 0, stream>>>(x, n, seed, mean);
   HISPARSE_CUDA_CHECK(cudaGetLastError());
+}
+
+/// Adds `batch` sequences of `context` tokens of random keys and values
+/// (every element N(key_mean, 1)) to a paged cache, appended in 16K-token
+/// chunks drawn afresh on the device, and returns their slots. Every block
+/// and slice sum differs: one chunk appended again and again repeats each
+/// block score 16 times at 256K, and such ties double the selection's
+/// survivors.
+template <class Cache, class Rng>
+std::vector<std::int32_t> fill_cache(Cache& cache, int batch, std::int32_t context, Rng& rng, float key_mean = 0.0f) {
+  using T = typename Cache::value_type;
+  constexpr std::int32_t kChunk = 16384;
+  const std::size_t chunk_elems =
+      static_cast<std::size_t>(kChunk) * cache.options().num_kv_heads * cache.options().head_dim;
+  device_array<T> chunk(chunk_elems);
+  std::vector<std::int32_t> slots(static_cast<std::size_t>(batch));
+  for (auto& s : slots) {
+    int slot = 0;
+    throw_if_error(cache.add_sequence(context, slot));
+    s = slot;
+    for (std::int32_t done = 0; done < context; done += kChunk) {
+      const std::int32_t n = std::min(kChunk, context - done);
+      fill_normal(chunk.ptr, chunk_elems, rng.next(), key_mean);
+      throw_if_error(cache.append_async(0, std::vector<kv::append_segment>{{slot, 0, n}}, chunk.ptr, chunk.ptr, nullptr));
+    }
+  }
+  HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
+  return slots;
 }
 #endif
 

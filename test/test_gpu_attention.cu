@@ -13,6 +13,7 @@
 #include <numeric>
 #include <vector>
 
+#include "attention_oracle.hpp"
 #include "gpu_problem.hpp"
 #include "gpu_test.hpp"
 #include "hisparse/attention/decode.cuh"
@@ -42,51 +43,15 @@ std::vector<std::int64_t> positions_of(const std::vector<std::int32_t>& kept, in
   return pos;
 }
 
-/// fp64 attention of query head qh over `pos`, and the naive fp32 one
-/// rounded to T (the low-precision baseline of the tolerance rule).
+/// fp64 attention of query head qh of batch row b over `pos`, and the naive
+/// fp32 one rounded to T (test/attention_oracle.hpp).
 template <class T>
 void attend(const test::problem<T>& p, int b, int qh, const std::vector<std::int64_t>& pos, std::vector<double>& ref,
             std::vector<double>& naive, double& lse) {
-  const int D = p.shape.head_dim, Hkv = p.shape.num_kv_heads, h = qh / p.shape.group_size();
+  const int D = p.shape.head_dim;
   const T* q = p.queries.data() + (static_cast<std::size_t>(b) * p.shape.num_q_heads + qh) * D;
-  const auto& K = p.keys[b];
-  const auto& V = p.values[b];
-  std::vector<double> s(pos.size());
-  std::vector<float> sf(pos.size());
-  for (std::size_t j = 0; j < pos.size(); ++j) {
-    double acc = 0;
-    float accf = 0;
-    for (int d = 0; d < D; ++d) {
-      const std::size_t at = (static_cast<std::size_t>(pos[j]) * Hkv + h) * D + d;
-      acc += to_double(q[d]) * to_double(K[at]);
-      accf += to_float(q[d]) * to_float(K[at]);
-    }
-    s[j] = acc / std::sqrt(static_cast<double>(D));
-    sf[j] = accf / std::sqrt(static_cast<float>(D));
-  }
-  const double m = *std::max_element(s.begin(), s.end());
-  const float mf = *std::max_element(sf.begin(), sf.end());
-  double sum = 0;
-  float sumf = 0;
-  ref.assign(D, 0.0);
-  std::vector<float> of(D, 0.0f);
-  for (std::size_t j = 0; j < pos.size(); ++j) {
-    const double w = std::exp(s[j] - m);
-    const float wf = std::exp(sf[j] - mf);
-    sum += w;
-    sumf += wf;
-    for (int d = 0; d < D; ++d) {
-      const std::size_t at = (static_cast<std::size_t>(pos[j]) * Hkv + h) * D + d;
-      ref[d] += w * to_double(V[at]);
-      of[d] += wf * to_float(V[at]);
-    }
-  }
-  naive.assign(D, 0.0);
-  for (int d = 0; d < D; ++d) {
-    ref[d] /= sum;
-    naive[d] = to_double(from_float<T>(of[d] / sumf));
-  }
-  lse = m + std::log(sum);
+  lse = test::attend_fp64(q, p.keys[b].data(), p.values[b].data(), p.shape.num_kv_heads, qh / p.shape.group_size(),
+                          D, pos, ref, naive);
 }
 
 struct step_output {
