@@ -200,22 +200,278 @@ using ptx::pack2;
 /// The high half of P's split: two probabilities (>= 0) truncated toward
 /// zero, so its residual is never negative.
 using ptx::pack2_rz;
-/// The residual of pack2_rz's halves, rounded, as a second pair: x = hi +
-/// lo to about twice the type's precision. lo is >= 0, and > 0 wherever x
-/// is, so an infinite value times P is (hi + lo) inf = inf as in fp64, never
-/// inf - inf or 0 * inf. The floor: bf16's smallest normal (2^-126, far
-/// below any error that matters), fp16's smallest subnormal (2^-24, as
-/// coarse as fp16's own spacing down there).
-template <class T>
-__device__ __forceinline__ unsigned pack2_residual(float x, float y, unsigned hi) {
-  constexpr float kTiny = std::is_same_v<T, __nv_bfloat16> ? 0x1p-126f : 0x1p-24f;
-  float2 h;
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    h = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&hi));
-  } else {
-    h = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+/// Its residual, rounded, as a second pair (lo >= 0, > 0 wherever P is).
+using ptx::pack2_residual;
+
+/// Writes `value` to every output element of the CTA's `heads` heads from
+/// row `q_row0` on, and `lse` to their LSEs (the early exits: nothing
+/// stored, or a selection the plan cannot hold).
+template <class T, int D, int Threads>
+__device__ __forceinline__ void fill_output(const decode_attention_arguments<T>& a, std::int64_t q_row0, int heads,
+                                            float value, float lse) {
+  for (int i = threadIdx.x; i < heads * D; i += Threads) {
+    a.out[(q_row0 + i / D) * D + i % D] = from_float<T>(value);
+    if (a.lse != nullptr && i % D == 0) a.lse[q_row0 + i / D] = lse;
   }
-  return pack2<T>(fmaxf(x - h.x, x > 0.0f ? kTiny : 0.0f), fmaxf(y - h.y, y > 0.0f ? kTiny : 0.0f));
+}
+
+/// One round of a warp on the ring stage at `base`: S = Q K^T over its 16
+/// rows, the online softmax of head qh (= lane / 4) over them, and O = O corr
+/// + P V into (m, l, o). `t` is the tile's index in the CTA's run (tiles
+/// [0, wt) the window's `w_rows` rows, then the kept items' `kept_rows`);
+/// this lane's first row in the tile is wrow + qc. k_lane, v_lane, k_half,
+/// v_half and swz: the lane's ldmatrix addresses (the kernel's comment).
+/// The scale is read from `p` here, beside its use: the compiler then orders
+/// the products as the single-function kernel did.
+template <class T, int D, int TileRows>
+__device__ __forceinline__ void attend_tile(const decode_attention_params<T>& p, unsigned base, unsigned k_lane,
+                                            unsigned v_lane, int k_half, int v_half, int swz,
+                                            const uint2 (&q_frag)[D / 16][32], int lane, int t, int wt, int w_rows,
+                                            int kept_rows, int wrow, int qc, float& m, float& l,
+                                            float (&o)[D / 8][2]) {
+  constexpr int kKSteps = D / 16;  // k-steps of Q K^T
+  constexpr int kNTiles = D / 8;   // n-tiles of P V
+  const float kNegInf = -__int_as_float(0x7f800000);
+  // S = Q K^T over this warp's 16 rows: two n-tiles of 8 rows.
+  float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+  for (int k = 0; k < kKSteps; ++k) {
+    unsigned bk[4];
+    ldmatrix_x4(base + k_lane + static_cast<unsigned>(((2 * k + k_half) ^ swz) << 4), bk);
+    const uint2 q = q_frag[k][lane];
+    const unsigned qa4[4] = {q.x, 0u, q.y, 0u};
+    mma_16816<T>(sc[0], qa4, bk[0], bk[1], sc[0]);
+    mma_16816<T>(sc[1], qa4, bk[2], bk[3], sc[1]);
+  }
+  // Online softmax for head qh over rows 8j + qc (+1); rows past the
+  // window's or the kept items' rows are masked. The four lanes of a head
+  // agree on the max.
+  const bool win = t < wt;
+  const int rows = win ? w_rows : kept_rows;
+  const int grow = (win ? t : t - wt) * TileRows + wrow + qc;
+  float s[2][2], mx = kNegInf;
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      s[j][e] = grow + 8 * j + e < rows ? sc[j][e] * p.scale_log2 : kNegInf;
+      mx = fmaxf(mx, s[j][e]);
+    }
+  mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
+  const float m_new = fmaxf(m, mx);
+  const float m_use = m_new == kNegInf ? 0.0f : m_new;  // every row masked so far: all weights 0
+  const float corr = exp2f(m - m_use);
+  float pr[2][2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) pr[j][e] = exp2f(s[j][e] - m_use);
+  l = l * corr + (pr[0][0] + pr[0][1]) + (pr[1][0] + pr[1][1]);
+  m = m_new;
+  // O = O corr + P V: P's high half in A's rows 0-7, its rounding error in
+  // rows 8-15; the two halves of each output are added.
+  unsigned pa[4];
+  pa[0] = pack2_rz<T>(pr[0][0], pr[0][1]);
+  pa[1] = pack2_residual<T>(pr[0][0], pr[0][1], pa[0]);
+  pa[2] = pack2_rz<T>(pr[1][0], pr[1][1]);
+  pa[3] = pack2_residual<T>(pr[1][0], pr[1][1], pa[2]);
+#pragma unroll
+  for (int n2 = 0; n2 < kNTiles / 2; ++n2) {
+    unsigned bv[4];
+    ldmatrix_x4_trans(base + v_lane + static_cast<unsigned>(((2 * n2 + v_half) ^ swz) << 4), bv);
+    const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float d[4];
+    mma_16816<T>(d, pa, bv[0], bv[1], zero);
+    o[2 * n2][0] = fmaf(o[2 * n2][0], corr, d[0] + d[2]);
+    o[2 * n2][1] = fmaf(o[2 * n2][1], corr, d[1] + d[3]);
+    mma_16816<T>(d, pa, bv[2], bv[3], zero);
+    o[2 * n2 + 1][0] = fmaf(o[2 * n2 + 1][0], corr, d[0] + d[2]);
+    o[2 * n2 + 1][1] = fmaf(o[2 * n2 + 1][1], corr, d[1] + d[3]);
+  }
+}
+
+/// Merges the warps' results (m, l and o of head qh, l already summed over
+/// the head's four lanes) in the drained ring, per head rescaling every warp
+/// to the common max, and writes this CTA's partial: the output itself when
+/// it is the only CTA with items (`active` == 1), else CTA 0's ring past its
+/// warp-merge area (`clustered`: [heads][splits][D] outputs, then
+/// [heads][splits] LSEs) or the workspace. S: the splits.
+template <class T, int D, int Warps>
+__device__ __forceinline__ void merge_warps(const decode_attention_params<T>& p, unsigned char* ring, int split, int S,
+                                            int active, int heads, std::int64_t q_row0, bool clustered, float m,
+                                            float l, const float (&o)[D / 8][2]) {
+  constexpr int kThreads = Warps * 32;
+  constexpr int kNTiles = D / 8;
+  constexpr int kHeads = kMaxHeadsPerCta;
+  constexpr int kMergeStride = D + 8;  // floats per (warp, head) output row
+  const float kNegInf = -__int_as_float(0x7f800000);
+  const auto& a = p.a;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int qh = lane >> 2, qc = (lane & 3) * 2;
+  __syncthreads();
+  auto* wm = reinterpret_cast<float*>(ring);            // [Warps][kHeads]
+  auto* wl = wm + Warps * kHeads;                       // [Warps][kHeads]
+  auto* wo = wl + Warps * kHeads;                       // [Warps][kHeads][kMergeStride]
+  if ((lane & 3) == 0) {
+    wm[warp * kHeads + qh] = m;
+    wl[warp * kHeads + qh] = l;
+  }
+#pragma unroll
+  for (int n = 0; n < kNTiles; ++n)
+    *reinterpret_cast<float2*>(wo + (warp * kHeads + qh) * kMergeStride + 8 * n + qc) = make_float2(o[n][0], o[n][1]);
+  __syncthreads();
+
+  const bool single = active == 1;
+  float* cluster_out = nullptr;
+  float* cluster_lse = nullptr;
+  if (clustered && !single) {
+    ptx::cluster_wait();  // every CTA of the cluster is done with its ring
+    cluster_out = ptx::cluster_map(reinterpret_cast<float*>(ring + p.merge_offset), 0u);
+    cluster_lse = cluster_out + min(kHeads, p.group) * S * D;
+  }
+  for (int i = threadIdx.x; i < heads * D; i += kThreads) {
+    const int g = i / D, d = i % D;
+    float mx = kNegInf;
+    for (int w = 0; w < Warps; ++w) mx = fmaxf(mx, wm[w * kHeads + g]);
+    float sum = 0.0f, out = 0.0f;
+    for (int w = 0; w < Warps; ++w) {
+      const float mw = wm[w * kHeads + g];
+      const float f = mw == kNegInf ? 0.0f : exp2f(mw - mx);
+      sum += wl[w * kHeads + g] * f;
+      out += wo[(w * kHeads + g) * kMergeStride + d] * f;
+    }
+    const float lse2 = mx + log2f(sum);
+    const std::int64_t row = q_row0 + g;
+    if (single) {
+      a.out[row * D + d] = from_float<T>(out / sum);
+      if (a.lse != nullptr && d == 0) a.lse[row] = lse2 * kLn2;
+    } else if (clustered) {
+      cluster_out[(g * S + split) * D + d] = out / sum;
+      if (d == 0) cluster_lse[g * S + split] = lse2;
+    } else {
+      p.partial_out[(row * p.splits + split) * D + d] = out / sum;
+      if (d == 0) p.partial_lse[row * p.splits + split] = lse2;
+    }
+  }
+}
+
+/// Flash-decoding merge of the `active` CTAs' partials (merge_warps wrote
+/// them) into the output and LSE. Clustered: the partials are in CTA 0's
+/// shared memory once every CTA with items has arrived a second time; the
+/// others leave (nobody reads their shared memory). Otherwise by the last
+/// CTA of this (sequence, KV head, head split) to finish: publish the
+/// partials, count arrivals, and the last one stages every run and resets
+/// the counter for the next run. merge_w, merge_lse and last_cta: the
+/// kernel's shared scratch; b: the batch row; stages: the ring's depth.
+template <class T, int D, int Warps>
+__device__ __forceinline__ void merge_splits(const decode_attention_params<T>& p, unsigned char* ring,
+                                             unsigned ring_base, float (&merge_w)[kMaxHeadsPerCta][kMaxSplits],
+                                             float (&merge_lse)[kMaxHeadsPerCta], bool& last_cta, int b, int split,
+                                             int S, int stages, int active, int heads, std::int64_t q_row0,
+                                             bool clustered) {
+  constexpr int kThreads = Warps * 32;
+  constexpr int kTileBytes = Warps * kWarpRows * D * static_cast<int>(sizeof(T));
+  constexpr int kHeads = kMaxHeadsPerCta;
+  const float kNegInf = -__int_as_float(0x7f800000);
+  const auto& a = p.a;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  static_assert(2 * kTileBytes >= kHeads * D * 4, "one split's partials fit a ring stage");
+  const float* staged;  // [heads][per_round][D]
+  int per_round;
+  unsigned* counter = nullptr;
+  auto stage_round = [&](int sp0) {  // the workspace path: splits [sp0, sp0 + per_round) into the ring
+    const int n = min(per_round, active - sp0);
+    for (int c4 = threadIdx.x; c4 < heads * n * (D / 4); c4 += kThreads) {  // 16-byte chunks
+      const int g = c4 / (n * (D / 4)), r = c4 % (n * (D / 4));
+      cp_async_16(ring_base + static_cast<unsigned>(((g * per_round) * D + r * 4) * 4),
+                  p.partial_out + ((q_row0 + g) * p.splits + sp0) * D + r * 4, 16);
+    }
+    cp_async_commit();
+  };
+  if (clustered) {
+    ptx::cluster_arrive();  // releases this CTA's partial
+    if (split != 0) return;
+    ptx::cluster_wait();
+    staged = reinterpret_cast<const float*>(ring + p.merge_offset);
+    per_round = S;
+    for (int i = threadIdx.x; i < heads * active; i += kThreads)
+      merge_w[i / active][i % active] = staged[min(kHeads, p.group) * S * D + (i / active) * S + i % active];
+  } else {
+    __threadfence();
+    __syncthreads();
+    counter = p.counters + std::int64_t{b} * gridDim.y + blockIdx.y;
+    if (threadIdx.x == 0) {
+      const unsigned done = atomicAdd(counter, 1u);
+      last_cta = done + 1 == static_cast<unsigned>(active);
+    }
+    __syncthreads();
+    if (!last_cta) return;
+    __threadfence();
+    // The partials go through the drained ring by cp.async, `per_round`
+    // splits at a time (all of them at B >= 8), beside the weights' loads:
+    // one trip to L2 for everything, with nothing held in registers. A
+    // head's partials are contiguous: [splits][D].
+    per_round = stages * 2 * kTileBytes / (heads * D * 4);
+    staged = reinterpret_cast<const float*>(ring);
+    stage_round(0);
+    for (int i = threadIdx.x; i < heads * active; i += kThreads)
+      merge_w[i / active][i % active] = __ldcg(p.partial_lse + (q_row0 + i / active) * p.splits + i % active);
+  }
+  __syncthreads();
+  // Warp g % Warps weighs head g: two splits a lane (kMaxSplits = 64), the
+  // max and the sum by shuffles.
+  static_assert(kMaxSplits <= 64, "two splits per lane");
+  for (int g = warp; g < heads; g += Warps) {
+    const bool has0 = lane < active, has1 = lane + 32 < active;
+    const float x0 = has0 ? merge_w[g][lane] : kNegInf, x1 = has1 ? merge_w[g][lane + 32] : kNegInf;
+    float mx = fmaxf(x0, x1);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, off));
+    const float e0 = has0 ? exp2f(x0 - mx) : 0.0f, e1 = has1 ? exp2f(x1 - mx) : 0.0f;
+    float sum = e0 + e1;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, off);
+    if (has0) merge_w[g][lane] = e0 / sum;
+    if (has1) merge_w[g][lane + 32] = e1 / sum;
+    if (lane == 0) merge_lse[g] = mx + log2f(sum);
+  }
+  // out = sum over the splits in order of weight x partial (fmaf).
+  constexpr int kPerThread = (kHeads * D + kThreads - 1) / kThreads;
+  float acc[kPerThread];
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) acc[j] = 0.0f;
+  for (int sp0 = 0; sp0 < active; sp0 += per_round) {
+    if (sp0 > 0) {
+      __syncthreads();  // the last round is read
+      stage_round(sp0);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the round (and, first time, the weights) for every thread
+    const int n = min(per_round, active - sp0);
+    // kPerThread independent chains per split, without a branch between
+    // them (a guarded element makes each wait for its own loads; PERF_NOTES:
+    // Decode attention); elements past the heads read the last head and are
+    // not stored.
+    for (int u = 0; u < n; ++u)
+#pragma unroll
+      for (int j = 0; j < kPerThread; ++j) {
+        const int i = static_cast<int>(threadIdx.x) + j * kThreads;
+        const int g = min(i / D, heads - 1), d = i % D;
+        acc[j] = fmaf(merge_w[g][sp0 + u], staged[(g * per_round + u) * D + d], acc[j]);
+      }
+  }
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int i = static_cast<int>(threadIdx.x) + j * kThreads;
+    if (i < heads * D) {
+      const int g = i / D, d = i % D;
+      const std::int64_t row = q_row0 + g;
+      a.out[row * D + d] = from_float<T>(acc[j]);
+      if (a.lse != nullptr && d == 0) a.lse[row] = merge_lse[g] * kLn2;
+    }
+  }
+  if (counter != nullptr && threadIdx.x == 0) *counter = 0;
 }
 
 /// Grid: x = split, y = KV head * head_splits + head split, z = batch row.
@@ -235,7 +491,6 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
   constexpr int kKSteps = D / 16;   // k-steps of Q K^T
   constexpr int kNTiles = D / 8;    // n-tiles of P V
   constexpr int kHeads = kMaxHeadsPerCta;
-  constexpr int kMergeStride = D + 8;  // floats per (warp, head) output row in the merge
   static_assert(kChunks >= 8 && kThreads % kChunks == 0 && kTileRows % kRowsPerPass == 0,
                 "a row is at least 8 chunks (the swizzle) and a pass covers whole rows");
   const float kNegInf = -__int_as_float(0x7f800000);
@@ -309,11 +564,7 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
 
   if (len <= 0) {  // nothing stored: a zero output, lse -inf
     if (a.sparse()) wait_for_prior_grid();  // every CTA of a programmatic launch waits before it ends
-    if (split == 0)
-      for (int i = threadIdx.x; i < heads * D; i += kThreads) {
-        a.out[(q_row0 + i / D) * D + i % D] = from_float<T>(0.0f);
-        if (a.lse != nullptr && i % D == 0) a.lse[q_row0 + i / D] = kNegInf;
-      }
+    if (split == 0) fill_output<T, D, kThreads>(a, q_row0, heads, 0.0f, kNegInf);
     return;
   }
 
@@ -429,65 +680,8 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
       __syncthreads();
     }
     const int stage = t % stages;
-
-    const unsigned base = ring_base + static_cast<unsigned>(stage * 2 * kTileBytes);
-    // S = Q K^T over this warp's 16 rows: two n-tiles of 8 rows.
-    float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-#pragma unroll
-    for (int k = 0; k < kKSteps; ++k) {
-      unsigned bk[4];
-      ldmatrix_x4(base + k_lane + static_cast<unsigned>(((2 * k + k_half) ^ swz) << 4), bk);
-      const uint2 q = scratch.q[k][lane];
-      const unsigned qa4[4] = {q.x, 0u, q.y, 0u};
-      mma_16816<T>(sc[0], qa4, bk[0], bk[1], sc[0]);
-      mma_16816<T>(sc[1], qa4, bk[2], bk[3], sc[1]);
-    }
-    // Online softmax for head qh over rows 8j + qc (+1); rows past the
-    // window's or the kept items' rows are masked. The four lanes of a head
-    // agree on the max.
-    const bool win = t < wt;
-    const int rows = win ? w_rows : ck * F;
-    const int grow = (win ? t : t - wt) * kTileRows + wrow + qc;
-    float s[2][2], mx = kNegInf;
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        s[j][e] = grow + 8 * j + e < rows ? sc[j][e] * p.scale_log2 : kNegInf;
-        mx = fmaxf(mx, s[j][e]);
-      }
-    mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
-    const float m_new = fmaxf(m, mx);
-    const float m_use = m_new == kNegInf ? 0.0f : m_new;  // every row masked so far: all weights 0
-    const float corr = exp2f(m - m_use);
-    float pr[2][2];
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) pr[j][e] = exp2f(s[j][e] - m_use);
-    l = l * corr + (pr[0][0] + pr[0][1]) + (pr[1][0] + pr[1][1]);
-    m = m_new;
-    // O = O corr + P V: P's high half in A's rows 0-7, its rounding error in
-    // rows 8-15; the two halves of each output are added.
-    unsigned pa[4];
-    pa[0] = pack2_rz<T>(pr[0][0], pr[0][1]);
-    pa[1] = pack2_residual<T>(pr[0][0], pr[0][1], pa[0]);
-    pa[2] = pack2_rz<T>(pr[1][0], pr[1][1]);
-    pa[3] = pack2_residual<T>(pr[1][0], pr[1][1], pa[2]);
-#pragma unroll
-    for (int n2 = 0; n2 < kNTiles / 2; ++n2) {
-      unsigned bv[4];
-      ldmatrix_x4_trans(base + v_lane + static_cast<unsigned>(((2 * n2 + v_half) ^ swz) << 4), bv);
-      const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      float d[4];
-      mma_16816<T>(d, pa, bv[0], bv[1], zero);
-      o[2 * n2][0] = fmaf(o[2 * n2][0], corr, d[0] + d[2]);
-      o[2 * n2][1] = fmaf(o[2 * n2][1], corr, d[1] + d[3]);
-      mma_16816<T>(d, pa, bv[2], bv[3], zero);
-      o[2 * n2 + 1][0] = fmaf(o[2 * n2 + 1][0], corr, d[0] + d[2]);
-      o[2 * n2 + 1][1] = fmaf(o[2 * n2 + 1][1], corr, d[1] + d[3]);
-    }
+    attend_tile<T, D, kTileRows>(p, ring_base + static_cast<unsigned>(stage * 2 * kTileBytes), k_lane, v_lane, k_half,
+                                 v_half, swz, scratch.q, lane, t, wt, w_rows, ck * F, wrow, qc, m, l, o);
   }
   l += __shfl_xor_sync(0xFFFFFFFFu, l, 1);
   l += __shfl_xor_sync(0xFFFFFFFFu, l, 2);
@@ -495,11 +689,8 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
   // More slices than the plan's max_items (or a kept count the selection
   // cannot have written): NaN output and LSE, never a silent drop.
   if (items > a.max_items || items < window_items || items > window_items + a.top_k_fine) {
-    if (split == 0)
-      for (int i = threadIdx.x; i < heads * D; i += kThreads) {
-        a.out[(q_row0 + i / D) * D + i % D] = from_float<T>(__int_as_float(0x7fffffff));
-        if (a.lse != nullptr && i % D == 0) a.lse[q_row0 + i / D] = __int_as_float(0x7fffffff);
-      }
+    const float nan = __int_as_float(0x7fffffff);
+    if (split == 0) fill_output<T, D, kThreads>(a, q_row0, heads, nan, nan);
     return;
   }
   const int active = min(S, items);  // CTAs with at least one item
@@ -510,160 +701,10 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
   // for exited threads). The wait is after the warp merge.
   if (clustered) ptx::cluster_arrive();
 
-  // Merge the warps in the (drained) ring: per head, rescale every warp to
-  // the common max.
-  __syncthreads();
-  auto* wm = reinterpret_cast<float*>(ring);            // [Warps][kHeads]
-  auto* wl = wm + Warps * kHeads;                       // [Warps][kHeads]
-  auto* wo = wl + Warps * kHeads;                       // [Warps][kHeads][kMergeStride]
-  if ((lane & 3) == 0) {
-    wm[warp * kHeads + qh] = m;
-    wl[warp * kHeads + qh] = l;
-  }
-#pragma unroll
-  for (int n = 0; n < kNTiles; ++n)
-    *reinterpret_cast<float2*>(wo + (warp * kHeads + qh) * kMergeStride + 8 * n + qc) = make_float2(o[n][0], o[n][1]);
-  __syncthreads();
-
-  const bool single = active == 1;
-  // Where this CTA's partial goes: the output (single), CTA 0's ring past
-  // its warp-merge area (clustered: [heads][splits][D] outputs, then
-  // [heads][splits] LSEs), or the workspace.
-  float* cluster_out = nullptr;
-  float* cluster_lse = nullptr;
-  if (clustered && !single) {
-    ptx::cluster_wait();  // every CTA of the cluster is done with its ring
-    cluster_out = ptx::cluster_map(reinterpret_cast<float*>(ring + p.merge_offset), 0u);
-    cluster_lse = cluster_out + min(kHeads, p.group) * S * D;
-  }
-  for (int i = threadIdx.x; i < heads * D; i += kThreads) {
-    const int g = i / D, d = i % D;
-    float mx = kNegInf;
-    for (int w = 0; w < Warps; ++w) mx = fmaxf(mx, wm[w * kHeads + g]);
-    float sum = 0.0f, out = 0.0f;
-    for (int w = 0; w < Warps; ++w) {
-      const float mw = wm[w * kHeads + g];
-      const float f = mw == kNegInf ? 0.0f : exp2f(mw - mx);
-      sum += wl[w * kHeads + g] * f;
-      out += wo[(w * kHeads + g) * kMergeStride + d] * f;
-    }
-    const float lse2 = mx + log2f(sum);
-    const std::int64_t row = q_row0 + g;
-    if (single) {
-      a.out[row * D + d] = from_float<T>(out / sum);
-      if (a.lse != nullptr && d == 0) a.lse[row] = lse2 * kLn2;
-    } else if (clustered) {
-      cluster_out[(g * S + split) * D + d] = out / sum;
-      if (d == 0) cluster_lse[g * S + split] = lse2;
-    } else {
-      p.partial_out[(row * p.splits + split) * D + d] = out / sum;
-      if (d == 0) p.partial_lse[row * p.splits + split] = lse2;
-    }
-  }
-  if (single) return;
-
-  // Flash-decoding merge. Clustered: the partials are in CTA 0's shared
-  // memory once every CTA with items has arrived a second time; the others
-  // leave (nobody reads their shared memory). Otherwise by the last
-  // CTA of this (sequence, KV head, head split) to finish: publish the
-  // partials, count arrivals, and the last one stages every run and resets
-  // the counter for the next run.
-  static_assert(2 * kTileBytes >= kHeads * D * 4, "one split's partials fit a ring stage");
-  const float* staged;  // [heads][per_round][D]
-  int per_round;
-  unsigned* counter = nullptr;
-  auto stage_round = [&](int sp0) {  // the workspace path: splits [sp0, sp0 + per_round) into the ring
-    const int n = min(per_round, active - sp0);
-    for (int c4 = threadIdx.x; c4 < heads * n * (D / 4); c4 += kThreads) {  // 16-byte chunks
-      const int g = c4 / (n * (D / 4)), r = c4 % (n * (D / 4));
-      cp_async_16(ring_base + static_cast<unsigned>(((g * per_round) * D + r * 4) * 4),
-                  p.partial_out + ((q_row0 + g) * p.splits + sp0) * D + r * 4, 16);
-    }
-    cp_async_commit();
-  };
-  if (clustered) {
-    ptx::cluster_arrive();  // releases this CTA's partial
-    if (split != 0) return;
-    ptx::cluster_wait();
-    staged = reinterpret_cast<const float*>(ring + p.merge_offset);
-    per_round = S;
-    for (int i = threadIdx.x; i < heads * active; i += kThreads)
-      merge_w[i / active][i % active] = staged[min(kHeads, p.group) * S * D + (i / active) * S + i % active];
-  } else {
-    __threadfence();
-    __syncthreads();
-    counter = p.counters + std::int64_t{b} * gridDim.y + blockIdx.y;
-    if (threadIdx.x == 0) {
-      const unsigned done = atomicAdd(counter, 1u);
-      last_cta = done + 1 == static_cast<unsigned>(active);
-    }
-    __syncthreads();
-    if (!last_cta) return;
-    __threadfence();
-    // The partials go through the drained ring by cp.async, `per_round`
-    // splits at a time (all of them at B >= 8), beside the weights' loads:
-    // one trip to L2 for everything, with nothing held in registers. A
-    // head's partials are contiguous: [splits][D].
-    per_round = stages * 2 * kTileBytes / (heads * D * 4);
-    staged = reinterpret_cast<const float*>(ring);
-    stage_round(0);
-    for (int i = threadIdx.x; i < heads * active; i += kThreads)
-      merge_w[i / active][i % active] = __ldcg(p.partial_lse + (q_row0 + i / active) * p.splits + i % active);
-  }
-  __syncthreads();
-  // Warp g % Warps weighs head g: two splits a lane (kMaxSplits = 64), the
-  // max and the sum by shuffles.
-  static_assert(kMaxSplits <= 64, "two splits per lane");
-  for (int g = warp; g < heads; g += Warps) {
-    const bool has0 = lane < active, has1 = lane + 32 < active;
-    const float x0 = has0 ? merge_w[g][lane] : kNegInf, x1 = has1 ? merge_w[g][lane + 32] : kNegInf;
-    float mx = fmaxf(x0, x1);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, off));
-    const float e0 = has0 ? exp2f(x0 - mx) : 0.0f, e1 = has1 ? exp2f(x1 - mx) : 0.0f;
-    float sum = e0 + e1;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, off);
-    if (has0) merge_w[g][lane] = e0 / sum;
-    if (has1) merge_w[g][lane + 32] = e1 / sum;
-    if (lane == 0) merge_lse[g] = mx + log2f(sum);
-  }
-  // out = sum over the splits in order of weight x partial (fmaf).
-  constexpr int kPerThread = (kHeads * D + kThreads - 1) / kThreads;
-  float acc[kPerThread];
-#pragma unroll
-  for (int j = 0; j < kPerThread; ++j) acc[j] = 0.0f;
-  for (int sp0 = 0; sp0 < active; sp0 += per_round) {
-    if (sp0 > 0) {
-      __syncthreads();  // the last round is read
-      stage_round(sp0);
-    }
-    cp_async_wait<0>();
-    __syncthreads();  // the round (and, first time, the weights) for every thread
-    const int n = min(per_round, active - sp0);
-    // kPerThread independent chains per split, without a branch between
-    // them (a guarded element makes each wait for its own loads; PERF_NOTES:
-    // Decode attention); elements past the heads read the last head and are
-    // not stored.
-    for (int u = 0; u < n; ++u)
-#pragma unroll
-      for (int j = 0; j < kPerThread; ++j) {
-        const int i = static_cast<int>(threadIdx.x) + j * kThreads;
-        const int g = min(i / D, heads - 1), d = i % D;
-        acc[j] = fmaf(merge_w[g][sp0 + u], staged[(g * per_round + u) * D + d], acc[j]);
-      }
-  }
-#pragma unroll
-  for (int j = 0; j < kPerThread; ++j) {
-    const int i = static_cast<int>(threadIdx.x) + j * kThreads;
-    if (i < heads * D) {
-      const int g = i / D, d = i % D;
-      const std::int64_t row = q_row0 + g;
-      a.out[row * D + d] = from_float<T>(acc[j]);
-      if (a.lse != nullptr && d == 0) a.lse[row] = merge_lse[g] * kLn2;
-    }
-  }
-  if (counter != nullptr && threadIdx.x == 0) *counter = 0;
+  merge_warps<T, D, Warps>(p, ring, split, S, active, heads, q_row0, clustered, m, l, o);
+  if (active == 1) return;  // the output is written
+  merge_splits<T, D, Warps>(p, ring, ring_base, merge_w, merge_lse, last_cta, b, split, S, stages, active, heads,
+                            q_row0, clustered);
 }
 
 /// Whether this device runs a build of the kernel compiled for sm_90+: one

@@ -215,6 +215,24 @@ __device__ __forceinline__ unsigned pack2_rz(float x, float y) {
   return r;
 }
 
+/// The residual of pack2_rz's halves, rounded, as a second pair: x = hi +
+/// lo to about twice the type's precision. lo is >= 0, and > 0 wherever x
+/// is, so an infinite value times P is (hi + lo) inf = inf as in fp64, never
+/// inf - inf or 0 * inf. The floor: bf16's smallest normal (2^-126, far
+/// below any error that matters), fp16's smallest subnormal (2^-24, as
+/// coarse as fp16's own spacing down there).
+template <class T>
+__device__ __forceinline__ unsigned pack2_residual(float x, float y, unsigned hi) {
+  constexpr float kTiny = std::is_same_v<T, __nv_bfloat16> ? 0x1p-126f : 0x1p-24f;
+  float2 h;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    h = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&hi));
+  } else {
+    h = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+  }
+  return pack2<T>(fmaxf(x - h.x, x > 0.0f ? kTiny : 0.0f), fmaxf(y - h.y, y > 0.0f ? kTiny : 0.0f));
+}
+
 /// max(a, b), NaN if either is NaN (fmaxf would drop it).
 __device__ __forceinline__ float max_nan(float a, float b) {
   float r;
