@@ -2,4 +2,3 @@
 #include "hisparse/select/prefill_selection.cuh"
 
 HISPARSE_SELECT_PREFILL_INSTANCE(, __nv_bfloat16)
-HISPARSE_SELECT_PREFILL_INSTANCE(, __half)

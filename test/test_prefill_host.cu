@@ -1,11 +1,13 @@
-// The prefill selection's host side needs no device: segment layout and
-// every argument check answer before any CUDA call, so they are CPU tests.
+// The prefill selection's and the composed prefill's host sides need no
+// device: segment layout, sizes, plans and every argument check answer
+// before any CUDA call, so they are CPU tests.
 #include <catch2/catch.hpp>
 
 #include <cmath>
 #include <cstring>
 #include <vector>
 
+#include "hisparse/runtime/hierarchical_prefill.cuh"
 #include "hisparse/select/prefill_selection.cuh"
 #include "workload/synthetic.hpp"
 
@@ -203,4 +205,70 @@ TEST_CASE("prefill two passes: the rule, and the bound against emulated tf32 pro
   }
   UNSCOPED_INFO("largest |plain - exact| / delta: " << worst);
   CHECK(worst > 0.0);
+}
+
+TEST_CASE("the composed prefill checks, sizes and plans on the host", "[runtime][prefill][errors]") {
+  using bf16 = __nv_bfloat16;
+  // Shape-only arguments: checks and sizes never dereference these.
+  static bf16 dummy alignas(16)[8]{};
+  static bf16* table[1]{dummy};
+  static std::int32_t lengths[1]{};
+  static const select::prefill_segment seg{};
+  prefill_step_arguments<bf16> a;
+  a.queries = dummy;
+  a.segments = &seg;
+  a.num_segments = 1;
+  a.num_tiles = 4096;
+  a.num_q_heads = 32;
+  a.out = dummy;
+  a.cache.layers = 1;
+  a.cache.kv_heads = 8;
+  a.cache.head_dim = 128;
+  a.cache.fine_slice = 64;
+  a.cache.coarse_block = 1024;
+  a.cache.page_table = table;
+  a.cache.lengths = lengths;
+  const SparseAttentionConfig cfg;
+  hierarchical_prefill<bf16> op(cfg);
+  REQUIRE(op.can_implement(a) == status::success);
+  std::size_t bytes = 0;
+  REQUIRE(op.workspace_bytes(a, bytes) == status::success);
+  // kept slices, counts, window starts: each part 256-byte aligned.
+  auto aligned = [](std::size_t b) { return (b + 255) / 256 * 256; };
+  CHECK(bytes == aligned(4096 * 8 * 16 * 4) + aligned(4096 * 8 * 4) + aligned(4096 * 4));
+  std::vector<char> ws(bytes);
+  CHECK(op.plan(a, ws.data(), bytes - 1) == status::invalid_argument);
+  CHECK(op.rebind(a) == status::invalid_argument);  // before plan
+  REQUIRE(op.plan(a, ws.data(), bytes) == status::success);
+  CHECK_FALSE(op.runs_dense());  // max_end unknown: sparse
+  auto more = a;
+  more.num_tiles = 4097;
+  CHECK(op.rebind(more) == status::invalid_argument);
+  // A prompt of 1500 tokens: its last tile's far region is 15 slices, fewer
+  // than top_k_fine: the selection would keep all of them.
+  auto short_prompt = a;
+  short_prompt.num_tiles = 24;
+  short_prompt.max_end = 1500;
+  REQUIRE(op.rebind(short_prompt) == status::success);
+  CHECK(op.runs_dense());
+  short_prompt.max_end = 1600;  // 16 far slices: still every one kept
+  REQUIRE(op.rebind(short_prompt) == status::success);
+  CHECK(op.runs_dense());
+  short_prompt.max_end = 1601;  // the last tile starts at 1600: 17 far slices
+  short_prompt.num_tiles = 26;
+  REQUIRE(op.rebind(short_prompt) == status::success);
+  CHECK_FALSE(op.runs_dense());
+  // Bad shapes are refused by the stage that cannot take them.
+  auto bad = a;
+  bad.num_q_heads = 12;  // not a multiple of 8 KV heads
+  CHECK(op.can_implement(bad) == status::invalid_argument);
+  bad = a;
+  bad.cache.head_dim = 96;
+  CHECK(op.can_implement(bad) == status::invalid_argument);
+  bad = a;
+  bad.max_end = -1;
+  CHECK(op.can_implement(bad) == status::invalid_argument);
+  SparseAttentionConfig wide = cfg;
+  wide.query_tile = 128;  // wider than the config allows (and the tile's block_q)
+  CHECK(hierarchical_prefill<bf16>(wide).can_implement(a) == status::invalid_argument);
 }

@@ -25,5 +25,7 @@
 #include "hisparse/select/topk.cuh"
 #include "hisparse/select/topk_keys.hpp"
 #include "hisparse/attention/decode.cuh"
+#include "hisparse/attention/prefill.cuh"
 #include "hisparse/runtime/hierarchical_attention.cuh"
+#include "hisparse/runtime/hierarchical_prefill.cuh"
 #include "hisparse/runtime/sparse_attention_op.cuh"

@@ -78,6 +78,18 @@ inline constexpr int kPageRing = 128;
 /// (168 registers), 8 above (255: at 168, head_dim 128 spilled).
 HISPARSE_HOST_DEVICE constexpr int attention_warps_per_sm(int head_dim) { return head_dim <= 64 ? 12 : 8; }
 
+// ---- Prefill attention (attention/prefill.cuh) ------------------------------
+/// 64 queries (16 a warp, 4 warps) by 64-key K/V tiles, 2 stages: 80 KB at
+/// head_dim 128, two CTAs an H200 SM (FlashAttention-2's forward shape;
+/// PERF_NOTES: prefill attention).
+inline constexpr tile_policy kPrefillTile{64, 64, 4, 2};
+/// CTAs an SM the prefill kernel is compiled for (its register budget):
+/// two at 255 registers where a warp holds two m16 tiles or head_dim is 128
+/// or more, three at head_dim 64 with one (none of these spill at 64 and 128).
+HISPARSE_HOST_DEVICE constexpr int prefill_ctas_per_sm(int head_dim, int m_tiles) {
+  return head_dim <= 64 && m_tiles == 1 ? 3 : head_dim <= 128 ? 2 : 1;
+}
+
 // ---- Decode step (runtime/hierarchical_attention.cuh) ----------------------
 /// The attention starts beside the selection (and its grid is planned for
 /// the wave less the selection's writers) where the selection takes at most

@@ -19,6 +19,9 @@ enum class tile_error : std::uint8_t {
   decode_block_q_must_be_1,
   decode_warps_must_be_1_2_4_or_8,
   decode_block_kv_must_be_16_times_warps,
+  // The prefill attention's (validate_prefill):
+  prefill_block_q_must_be_16_times_warps,
+  prefill_warps_must_be_1_2_4_or_8,
 };
 
 struct tile_policy {
@@ -44,6 +47,14 @@ struct tile_policy {
     if (block_kv != 16 * warps) return tile_error::decode_block_kv_must_be_16_times_warps;
     return tile_error::none;
   }
+  /// validate(), and what the prefill attention kernel needs: 16 query rows
+  /// a warp (the MMA's A operand), whole 16-byte copies a pass.
+  [[nodiscard]] constexpr tile_error validate_prefill() const noexcept {
+    if (const tile_error e = validate(); e != tile_error::none) return e;
+    if (warps != 1 && warps != 2 && warps != 4 && warps != 8) return tile_error::prefill_warps_must_be_1_2_4_or_8;
+    if (block_q != 16 * warps) return tile_error::prefill_block_q_must_be_16_times_warps;
+    return tile_error::none;
+  }
   [[nodiscard]] constexpr int threads() const noexcept { return warps * 32; }
 
   friend constexpr bool operator==(const tile_policy&, const tile_policy&) = default;
@@ -63,5 +74,8 @@ inline constexpr bool valid_tile_policy_v = detail::assert_valid_tile<P.validate
 /// The same for a decode attention tile (validate_decode).
 template <tile_policy P>
 inline constexpr bool valid_decode_tile_v = detail::assert_valid_tile<P.validate_decode()>::value;
+/// The same for a prefill attention tile (validate_prefill).
+template <tile_policy P>
+inline constexpr bool valid_prefill_tile_v = detail::assert_valid_tile<P.validate_prefill()>::value;
 
 }  // namespace hisparse

@@ -1,10 +1,12 @@
 #pragma once
-// The decode step as a serving engine registers a kernel: `init` once with
-// the resources (the paged cache, a device memory resource, the largest
-// batch), `forward` per step with nothing but the batch and a preset id,
-// `release` at shutdown. One workspace, sized at init for every preset the
-// cache can serve and every batch up to the largest, is shared by all
-// presets (a forward runs one preset at a time, stream-ordered).
+// The decode and prefill steps as a serving engine registers a kernel:
+// `init` once with the resources (the paged cache, a device memory resource,
+// the largest decode batch and prefill chunk), `forward` per step with
+// nothing but the batch (or the chunk's segments) and a preset id, `release`
+// at shutdown. One workspace, sized at init for every preset the cache can
+// serve, every batch up to the largest and every chunk up to the largest
+// (the decode part first, the prefill selection's lists after it), is shared
+// by all presets (a forward runs one preset at a time, stream-ordered).
 //
 // Presets whose slice and block sizes differ from the cache's cannot run on
 // it (the summaries are built for one F and C), nor presets whose
@@ -23,6 +25,7 @@
 #include "hisparse/kv/paged_kv_ref.hpp"
 #include "hisparse/mr/resource.hpp"
 #include "hisparse/runtime/hierarchical_attention.cuh"
+#include "hisparse/runtime/hierarchical_prefill.cuh"
 
 namespace hisparse {
 
@@ -33,6 +36,7 @@ class sparse_attention_op {
     Resource* resource = nullptr;        ///< workspace memory; must outlive the op
     kv::paged_kv_ref<T> cache{};
     int max_batch = 0;
+    int max_prefill_tiles = 0;  ///< query tiles of the largest prefill call (0: decode only)
     int num_q_heads = 0;
     const preset_registry* presets = nullptr;  ///< null: the built-in presets
     cudaStream_t stream = nullptr;             ///< where init zeroes the workspace
@@ -43,6 +47,19 @@ class sparse_attention_op {
     const T* queries = nullptr;           ///< [batch][num_q_heads][head_dim]
     const std::int32_t* slots = nullptr;  ///< [batch], device
     int batch = 0;
+    int layer = 0;
+    T* out = nullptr;
+    float* lse = nullptr;
+  };
+
+  /// One prefill call: the chunks of one or more sequences (prefill_step_arguments).
+  struct prefill_forward_arguments {
+    preset_id preset = preset_id::standard;
+    const T* queries = nullptr;                         ///< [total queries][num_q_heads][head_dim]
+    const select::prefill_segment* segments = nullptr;  ///< device, laid out by layout_prefill_segments
+    int num_segments = 0;
+    int num_tiles = 0;
+    std::int32_t max_end = 0;  ///< host: one past the last position, 0 if unknown
     int layer = 0;
     T* out = nullptr;
     float* lse = nullptr;
@@ -61,8 +78,10 @@ class sparse_attention_op {
     if (in.max_batch < 1) return fail(status::invalid_argument, "sparse_attention_op: max_batch must be >= 1");
     const preset_registry builtin;
     const preset_registry& reg = in.presets != nullptr ? *in.presets : builtin;
+    if (in.max_prefill_tiles < 0) return fail(status::invalid_argument, "sparse_attention_op: max_prefill_tiles < 0");
     std::map<preset_id, hierarchical_decode<T, Tile>> ops;
-    std::size_t bytes = 1;
+    std::map<preset_id, hierarchical_prefill<T>> prefill_ops;
+    std::size_t bytes = 1, prefill_bytes = 0;
     for (const auto& [id, name] : reg.list()) {
       const SparseAttentionConfig& cfg = reg.get(id);
       if (cfg.fine_slice != in.cache.fine_slice || cfg.coarse_block != in.cache.coarse_block) continue;
@@ -72,21 +91,34 @@ class sparse_attention_op {
       HISPARSE_TRY(op.workspace_bytes(probe_arguments(in, in.max_batch), b));
       bytes = std::max(bytes, b);
       ops.emplace(id, op);
+      if (in.max_prefill_tiles > 0) {
+        hierarchical_prefill<T> pre(cfg);
+        HISPARSE_TRY(pre.workspace_bytes(prefill_probe_arguments(in, in.max_prefill_tiles), b));
+        prefill_bytes = std::max(prefill_bytes, b);
+        prefill_ops.emplace(id, pre);
+      }
     }
     if (ops.empty())
       return fail(status::unsupported, "sparse_attention_op: no preset matches the cache's slice/block sizes (" +
                                            std::to_string(in.cache.fine_slice) + "/" +
                                            std::to_string(in.cache.coarse_block) + ")");
+    const std::size_t decode_bytes = workspace_layout<1>::align(bytes);
+    bytes = decode_bytes + prefill_bytes;
     void* ws = in.resource->allocate(bytes, in.stream);
-    // Plan each preset at the largest batch: zeroes the (shared) counters.
+    // Plan each preset at the largest batch (zeroes the shared counters) and
+    // the largest chunk.
     for (auto& [id, op] : ops) {
-      const status st = op.plan(probe_arguments(in, in.max_batch), ws, bytes, in.stream);
+      status st = op.plan(probe_arguments(in, in.max_batch), ws, decode_bytes, in.stream);
+      if (st == status::success && prefill_ops.count(id) != 0)
+        st = prefill_ops.at(id).plan(prefill_probe_arguments(in, in.max_prefill_tiles),
+                                     static_cast<char*>(ws) + decode_bytes, prefill_bytes);
       if (st != status::success) {
         in.resource->deallocate(ws, bytes, in.stream);
         return st;
       }
     }
     ops_ = std::move(ops);
+    prefill_ops_ = std::move(prefill_ops);
     init_ = in;
     workspace_ = ws;
     workspace_bytes_ = bytes;
@@ -115,6 +147,32 @@ class sparse_attention_op {
     return it->second.run(stream);
   }
 
+  /// One prefill call with the given preset: the selection and the
+  /// attention (or the dense attention alone where it is the same, see
+  /// hierarchical_prefill), no allocation, no sync (capturable).
+  [[nodiscard]] status forward(const prefill_forward_arguments& f, cudaStream_t stream) {
+    if (!initialized_) return fail(status::invalid_argument, "sparse_attention_op: forward before init");
+    const auto it = prefill_ops_.find(f.preset);
+    if (it == prefill_ops_.end())
+      return fail(status::invalid_argument,
+                  "sparse_attention_op: no prefill for preset " + std::to_string(static_cast<int>(f.preset)) +
+                      " (init with max_prefill_tiles > 0, and a preset the cache can serve)");
+    if (f.num_tiles < 0 || f.num_tiles > init_.max_prefill_tiles)
+      return fail(status::invalid_argument, "sparse_attention_op: " + std::to_string(f.num_tiles) +
+                                                " prefill tiles outside [0, " +
+                                                std::to_string(init_.max_prefill_tiles) + "]");
+    prefill_step_arguments<T> a = prefill_probe_arguments(init_, f.num_tiles);
+    a.queries = f.queries;
+    a.segments = f.segments;
+    a.num_segments = f.num_segments;
+    a.max_end = f.max_end;
+    a.layer = f.layer;
+    a.out = f.out;
+    a.lse = f.lse;
+    HISPARSE_TRY(it->second.rebind(a));
+    return it->second.run(stream);
+  }
+
   /// Frees the workspace, stream-ordered on the init stream: forwards queued
   /// on other streams must be ordered before it by the caller (the resource
   /// contract). The destructor calls it. Safe to call twice.
@@ -122,6 +180,7 @@ class sparse_attention_op {
     if (!initialized_) return;
     init_.resource->deallocate(workspace_, workspace_bytes_, init_.stream);
     ops_.clear();
+    prefill_ops_.clear();
     workspace_ = nullptr;
     initialized_ = false;
   }
@@ -145,7 +204,22 @@ class sparse_attention_op {
     return a;
   }
 
+  static prefill_step_arguments<T> prefill_probe_arguments(const init_arguments& in, int tiles) {
+    static const T dummy_queries alignas(16)[8]{};
+    static const select::prefill_segment dummy_segment{};
+    prefill_step_arguments<T> a;
+    a.queries = dummy_queries;
+    a.segments = &dummy_segment;
+    a.num_segments = 1;
+    a.num_tiles = tiles;
+    a.num_q_heads = in.num_q_heads;
+    a.cache = in.cache;
+    a.out = const_cast<T*>(dummy_queries);
+    return a;
+  }
+
   std::map<preset_id, hierarchical_decode<T, Tile>> ops_;
+  std::map<preset_id, hierarchical_prefill<T>> prefill_ops_;
   init_arguments init_{};
   void* workspace_ = nullptr;
   std::size_t workspace_bytes_ = 0;
