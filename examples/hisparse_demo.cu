@@ -8,7 +8,12 @@
 // speed-up, tokens attended per query, attention-mass recall (exp(lse_sparse
 // - lse_dense): the dense softmax mass of the attended tokens) and the
 // output's relative error against dense.
-// Without a GPU (or with --cpu): the fp64 CPU reference, per context.
+// Then the prefill of request 0's whole prompt (its own keys as its queries,
+// query head h taking KV head h / G's): the composed sparse prefill
+// (selection + attention) against the dense causal attention, with the mass
+// recall of every (position, query head).
+// Without a GPU (or with --cpu): the fp64 CPU reference of the decode step,
+// per context (a whole-prompt prefill is too long for it).
 //
 // --ceiling (CPU, either way): how close that recall is to what any
 // selection of the same budget could reach on this workload. For each
@@ -44,6 +49,7 @@
 #include "hisparse/mr/device_pool_resource.hpp"
 #include "hisparse/reference/sparse_attention.hpp"
 #include "hisparse/runtime/hierarchical_attention.cuh"
+#include "hisparse/runtime/hierarchical_prefill.cuh"
 #include "workload/synthetic.hpp"
 
 namespace {
@@ -173,6 +179,73 @@ double time_median(cudaStream_t stream, int n, F&& f) {
   return t[t.size() / 2];
 }
 
+/// q[t][qh] = k[t][qh / group]: a prompt's own keys as its queries.
+template <class T>
+__global__ void keys_as_queries(const T* k, T* q, std::int64_t tokens, int q_heads, int group, int dim) {
+  const std::int64_t n = tokens * q_heads * dim;
+  for (std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += std::int64_t{gridDim.x} * blockDim.x) {
+    const std::int64_t t = i / (std::int64_t{q_heads} * dim);
+    const int qh = static_cast<int>(i / dim % q_heads), d = static_cast<int>(i % dim);
+    q[i] = k[(t * (q_heads / group) + qh / group) * dim + d];
+  }
+}
+
+struct prefill_figures {
+  std::int64_t context = 0;
+  double sparse_s = 0, select_s = 0, dense_s = 0, recall = 0;
+};
+
+/// The whole prompt of `slot` (ctx tokens, keys at `keys` on the device):
+/// sparse prefill against dense causal prefill.
+prefill_figures prefill_row(const hisparse::SparseAttentionConfig& cfg, const hisparse::attention_shape& shape,
+                            const hisparse::kv::paged_kv_ref<__nv_bfloat16>& cache, int slot, std::int64_t ctx,
+                            const __nv_bfloat16* keys, cudaStream_t stream) {
+  using namespace hisparse;
+  using bf16 = __nv_bfloat16;
+  const int Hq = shape.num_q_heads, D = shape.head_dim;
+  const std::size_t rows = static_cast<std::size_t>(ctx) * Hq;
+  device_array<bf16> q(rows * D), out_sparse(rows * D), out_dense(rows * D);
+  device_array<float> lse_sparse(rows), lse_dense(rows);
+  keys_as_queries<<<1024, 256, 0, stream>>>(keys, q.ptr, ctx, Hq, shape.group_size(), D);
+  HISPARSE_CUDA_CHECK(cudaGetLastError());
+  std::vector<select::prefill_segment> segs{{slot, 0, static_cast<std::int32_t>(ctx), 0, 0}};
+  int tiles = 0;
+  throw_if_error(select::layout_prefill_segments(segs.data(), 1, cfg.query_tile, tiles));
+  device_array<select::prefill_segment> d_segs(1);
+  d_segs.upload(segs.data(), 1);
+  prefill_step_arguments<bf16> a;
+  a.queries = q.ptr;
+  a.segments = d_segs.ptr;
+  a.num_segments = 1;
+  a.num_tiles = tiles;
+  a.max_end = static_cast<std::int32_t>(ctx);
+  a.num_q_heads = Hq;
+  a.cache = cache;
+  a.out = out_sparse.ptr;
+  a.lse = lse_sparse.ptr;
+  hierarchical_prefill<bf16> sparse(cfg);
+  std::size_t bytes = 0;
+  throw_if_error(sparse.workspace_bytes(a, bytes));
+  device_array<char> ws(bytes);
+  throw_if_error(sparse.plan(a, ws.ptr, bytes));
+  a.out = out_dense.ptr;
+  a.lse = lse_dense.ptr;
+  dense_prefill<bf16> dense(cfg.query_tile);
+  throw_if_error(dense.plan(a));
+  prefill_figures f;
+  f.context = ctx;
+  throw_if_error(sparse.run(stream));  // warm-up
+  f.sparse_s = time_median(stream, 5, [&] { throw_if_error(sparse.run(stream)); });
+  f.select_s = sparse.runs_dense() ? 0.0 : time_median(stream, 5, [&] { throw_if_error(sparse.run_selection(stream)); });
+  f.dense_s = time_median(stream, ctx > 65536 ? 1 : 3, [&] { throw_if_error(dense.run(stream)); });
+  HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const auto ls = lse_sparse.download(rows), ld = lse_dense.download(rows);
+  for (std::size_t i = 0; i < rows; ++i) f.recall += std::exp(static_cast<double>(ls[i]) - ld[i]);
+  f.recall /= static_cast<double>(rows);
+  return f;
+}
+
 void run_gpu(const options& opt, const hisparse::SparseAttentionConfig& cfg, const hisparse::attention_shape& shape) {
   using namespace hisparse;
   using bf16 = __nv_bfloat16;
@@ -187,6 +260,7 @@ void run_gpu(const options& opt, const hisparse::SparseAttentionConfig& cfg, con
   constexpr int kReplays = 20;
   cudaStream_t stream = nullptr;
   HISPARSE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::vector<prefill_figures> prefills;
   for (const std::int64_t ctx : opt.contexts) {
     const auto t0 = std::chrono::steady_clock::now();
     workload::synthetic_options wo;
@@ -283,8 +357,15 @@ void run_gpu(const options& opt, const hisparse::SparseAttentionConfig& cfg, con
     device.deallocate(sparse_ws, sparse_bytes, stream);
     device.deallocate(dense_ws, dense_bytes, stream);
     HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    prefills.push_back(prefill_row(cfg, shape, cache.ref(), slots[0], ctx, k.ptr, stream));
   }
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
+  std::printf("\nprefill of request 0's whole prompt (queries: its own keys), one sequence:\n");
+  std::printf("%9s %13s %13s %11s %9s %12s\n", "context", "sparse", "(selection)", "dense", "speed-up",
+              "mass recall");
+  for (const auto& f : prefills)
+    std::printf("%9lld %10.2f ms %10.2f ms %8.1f ms %8.1fx %12.4f\n", static_cast<long long>(f.context),
+                f.sparse_s * 1e3, f.select_s * 1e3, f.dense_s * 1e3, f.dense_s / f.sparse_s, f.recall);
 }
 
 struct recalls {
