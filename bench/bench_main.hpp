@@ -85,7 +85,9 @@ inline sweep parse_sweep(int& argc, char** argv, sweep s) {
 }
 
 /// The NVIDIA kernel driver's version ("580.159.04"), from
-/// /proc/driver/nvidia/version on Linux; "unknown" elsewhere.
+/// /proc/driver/nvidia/version on Linux: the first dotted number after
+/// "Kernel Module" (the open module's line reads "... Open Kernel Module for
+/// x86_64  580.159.04 ..."); "unknown" elsewhere.
 inline std::string kernel_driver_version() {
   std::ifstream in("/proc/driver/nvidia/version");
   std::string line;
@@ -93,9 +95,9 @@ inline std::string kernel_driver_version() {
   const auto at = line.find("Kernel Module");
   if (at == std::string::npos) return "unknown";
   std::stringstream words(line.substr(at + 13));
-  std::string v;
-  words >> v;
-  return v.empty() ? "unknown" : v;
+  for (std::string v; words >> v;)
+    if (!v.empty() && v[0] >= '0' && v[0] <= '9' && v.find('.') != std::string::npos) return v;
+  return "unknown";
 }
 
 /// The device this process runs on, and the build, in the JSON's context.
