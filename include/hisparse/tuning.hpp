@@ -79,14 +79,16 @@ inline constexpr int kPageRing = 128;
 HISPARSE_HOST_DEVICE constexpr int attention_warps_per_sm(int head_dim) { return head_dim <= 64 ? 12 : 8; }
 
 // ---- Prefill attention (attention/prefill.cuh) ------------------------------
-/// 64 queries (16 a warp, 4 warps) by 64-key K/V tiles, 2 stages: 80 KB at
-/// head_dim 128, two CTAs an H200 SM (FlashAttention-2's forward shape;
-/// PERF_NOTES: prefill attention).
+/// 64 queries a head (16 a warp, 4 warps) by 64-key K/V tiles, 2 stages:
+/// 96 KB at head_dim 128 with two heads a CTA, two CTAs an H200 SM
+/// (FlashAttention-2's forward shape; not swept yet: PERF_NOTES: prefill
+/// attention).
 inline constexpr tile_policy kPrefillTile{64, 64, 4, 2};
 /// CTAs an SM the prefill kernel is compiled for (its register budget):
-/// two at 255 registers where a warp holds two m16 tiles or head_dim is 128
-/// or more, three at head_dim 64 with one (none of these spill at 64 and 128).
-HISPARSE_HOST_DEVICE constexpr int prefill_ctas_per_sm(int head_dim, int m_tiles) {
+/// three at head_dim 64 with one m16 tile a warp (four spilled), else two
+/// (255 registers; two tiles at head_dim 128 spill 48-84 B, still 15% faster
+/// than one: PERF_NOTES: prefill attention), one at 256.
+HISPARSE_HOST_DEVICE constexpr int prefill_attention_ctas_per_sm(int head_dim, int m_tiles) {
   return head_dim <= 64 && m_tiles == 1 ? 3 : head_dim <= 128 ? 2 : 1;
 }
 

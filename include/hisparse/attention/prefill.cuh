@@ -132,7 +132,7 @@ using ptx::smem_address;
 /// (K tile | V tile) of BlockKv rows; 16-byte chunk c of row r at c ^ (r & 7),
 /// so ldmatrix reads are free of bank conflicts.
 template <class T, int D, int Warps, int BlockKv, int MaxStages, int MTiles, bool SplitP>
-__global__ void __launch_bounds__(Warps * 32, tuning::prefill_ctas_per_sm(D, MTiles))
+__global__ void __launch_bounds__(Warps * 32, tuning::prefill_attention_ctas_per_sm(D, MTiles))
     prefill_attention_kernel(const __grid_constant__ prefill_attention_params<T> p) {
   constexpr int kThreads = Warps * 32;
   constexpr int kBlockQ = Warps * kPrefillWarpRows;  // query positions per head
