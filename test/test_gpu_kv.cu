@@ -513,3 +513,41 @@ TEST_CASE("slice key bounds need summaries and are kept only on request", "[gpu]
   o.maintain_summaries = true;
   CHECK_THROWS_WITH(cache_t(device, o), Catch::Contains("fine_summary must be mean, mean_bf16 or key_bounds"));
 }
+
+TEST_CASE("a cache allocates exactly its footprint", "[gpu][kv][budget]") {
+  HISPARSE_REQUIRE_GPU();
+  for (const auto kind : {fine_summary::mean, fine_summary::mean_bf16, fine_summary::key_bounds}) {
+    INFO("fine summary " << name_of(kind));
+    mr::device_pool_resource device;
+    mr::statistics_adaptor<mr::device_pool_resource> stats(device);
+    kv::paged_kv_cache_options o;
+    o.num_layers = 3;
+    o.num_kv_heads = 2;
+    o.head_dim = 64;
+    o.max_sequences = 3;
+    o.max_context = 9000;
+    o.fine_summary = kind;
+    const kv::cache_footprint f = kv::footprint_of(o, sizeof(__nv_bfloat16));
+    std::int64_t pages = 0;
+    {
+      kv::paged_kv_cache<__nv_bfloat16, mr::statistics_adaptor<mr::device_pool_resource>> cache(stats, o);
+      REQUIRE(stats.stats().current_bytes == f.metadata_bytes());
+      std::vector<kv::append_segment> segs;
+      const std::vector<std::int32_t> lens{9000, 65, 1};
+      std::int32_t rows = 0;
+      for (const auto n : lens) {
+        int slot = -1;
+        REQUIRE(cache.add_sequence(o.max_context, slot) == status::success);
+        segs.push_back({slot, rows, n});
+        rows += n;
+        pages += f.sequence_pages(n);
+      }
+      std::vector<__nv_bfloat16> kvh(static_cast<std::size_t>(rows) * o.num_kv_heads * o.head_dim, from_float<__nv_bfloat16>(0.5f));
+      test::device_buffer<__nv_bfloat16> k(kvh), v(kvh);
+      REQUIRE(cache.append_async(0, segs, k.ptr, v.ptr, nullptr) == status::success);
+      HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
+      REQUIRE(stats.stats().current_bytes == f.metadata_bytes() + f.page_memory(pages));
+    }
+    REQUIRE(stats.stats().current_bytes == 0);
+  }
+}

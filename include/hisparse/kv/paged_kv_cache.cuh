@@ -28,31 +28,13 @@
 #include "hisparse/config.hpp"
 #include "hisparse/core/dtype.hpp"
 #include "hisparse/core/status.hpp"
+#include "hisparse/kv/cache_footprint.hpp"
 #include "hisparse/kv/page_pool.hpp"
 #include "hisparse/kv/paged_kv_ref.hpp"
 #include "hisparse/mr/resource.hpp"
 #include "hisparse/tuning.hpp"
 
 namespace hisparse::kv {
-
-struct paged_kv_cache_options {
-  int num_layers = 1;
-  int num_kv_heads = 8;
-  int head_dim = 128;
-  int fine_slice = 64;       ///< F: tokens per page and per slice summary
-  int coarse_block = 1024;   ///< C: tokens per block summary; a multiple of F
-  int max_sequences = 8;     ///< sequence slots
-  std::int64_t max_context = 262144;  ///< largest reservation of one sequence
-  std::size_t chunk_bytes = std::size_t{1} << 20;  ///< page pool chunk size
-  std::size_t max_pool_bytes = SIZE_MAX;           ///< cap on page memory
-  std::int64_t reserve_pages = 0;                  ///< pages to carve up front
-  bool maintain_summaries = true;  ///< off only for dense-only use, or to measure their cost
-  /// The fine summary kept besides the fp32 slice sums, for configs that
-  /// name it (config.hpp): `mean` keeps nothing more; `mean_bf16` the sums
-  /// rounded to bf16 (half their memory again); `key_bounds` each
-  /// dimension's key range (as much memory as the sums).
-  hisparse::fine_summary fine_summary = hisparse::fine_summary::mean;
-};
 
 /// A run of new tokens for one sequence: rows [row, row + count) of the
 /// packed K/V inputs ([rows][kv_heads][head_dim]) are appended to `slot`.
@@ -63,20 +45,6 @@ struct append_segment {
 };
 
 namespace detail {
-
-/// One segment as the append kernel sees it (all int32: positions are below
-/// 2^30 by construction).
-struct append_desc {
-  std::int32_t seq;
-  std::int32_t start;            ///< position of the first new token
-  std::int32_t count;
-  std::int32_t src_row;
-  std::int32_t first_slice;      ///< slice of the first new token
-  std::int32_t first_new_slice;  ///< first slice that gets a fresh page
-  std::int32_t new_page_prefix;  ///< index of its first fresh page in the batch's page list
-  std::int32_t slice_prefix;     ///< CTAs (slices) of the segments before this one
-  std::int32_t block_prefix;     ///< touched blocks of the segments before this one
-};
 
 inline constexpr int kAppendThreads = tuning::kAppendThreads;
 inline constexpr int kMaxHeadDim = 256;
@@ -358,24 +326,18 @@ class paged_kv_cache {
 
   paged_kv_cache(Resource& resource, const paged_kv_cache_options& o, cudaStream_t stream = nullptr)
       : resource_(&resource), opt_(validated(o)), pool_(resource, pool_options(opt_)), stream_(stream) {
-    max_slices_ = static_cast<std::int32_t>((opt_.max_context + opt_.fine_slice - 1) / opt_.fine_slice);
-    max_blocks_ = static_cast<std::int32_t>((opt_.max_context + opt_.coarse_block - 1) / opt_.coarse_block);
-    const std::int64_t seq_layers = std::int64_t{opt_.max_sequences} * opt_.num_layers;
-    const std::int64_t vec = std::int64_t{opt_.num_kv_heads} * opt_.head_dim;
-    table_bytes_ = static_cast<std::size_t>(seq_layers * max_slices_) * sizeof(T*);
-    slice_bytes_ = static_cast<std::size_t>(seq_layers * max_slices_ * vec) * sizeof(float);
-    block_bytes_ = static_cast<std::size_t>(seq_layers * max_blocks_ * vec) * sizeof(float);
-    slice_bf16_bytes_ =
-        opt_.fine_summary == fine_summary::mean_bf16 ? static_cast<std::size_t>(seq_layers * max_slices_ * vec) * sizeof(__nv_bfloat16) : 0;
-    slice_bounds_bytes_ =
-        opt_.fine_summary == fine_summary::key_bounds ? static_cast<std::size_t>(seq_layers * max_slices_ * vec) * sizeof(std::uint32_t) : 0;
-    length_bytes_ = static_cast<std::size_t>(seq_layers) * sizeof(std::int32_t);
-    counter_bytes_ = static_cast<std::size_t>(std::int64_t{opt_.max_sequences} * max_blocks_ * opt_.num_kv_heads) *
-                     sizeof(unsigned);
-    pages_offset_ = (static_cast<std::size_t>(opt_.max_sequences) * sizeof(detail::append_desc) + mr::kAlignment - 1) /
-                    mr::kAlignment * mr::kAlignment;
-    scratch_bytes_ =
-        pages_offset_ + static_cast<std::size_t>(std::int64_t{opt_.max_sequences} * max_slices_) * sizeof(T*);
+    const cache_footprint f = footprint_of(opt_, sizeof(T));
+    max_slices_ = f.max_slices;
+    max_blocks_ = f.max_blocks;
+    table_bytes_ = f.table_bytes;
+    slice_bytes_ = f.slice_sum_bytes;
+    block_bytes_ = f.block_sum_bytes;
+    slice_bf16_bytes_ = f.slice_bf16_bytes;
+    slice_bounds_bytes_ = f.slice_bounds_bytes;
+    length_bytes_ = f.length_bytes;
+    counter_bytes_ = f.counter_bytes;
+    pages_offset_ = f.pages_offset;
+    scratch_bytes_ = f.scratch_bytes;
     try {
       page_table_ = static_cast<T**>(resource_->allocate(table_bytes_, stream_));
       slice_sums_ = static_cast<float*>(resource_->allocate(slice_bytes_, stream_));
@@ -641,10 +603,10 @@ class paged_kv_cache {
   }
 
   static page_pool_options pool_options(const paged_kv_cache_options& o) {
+    const cache_footprint f = footprint_of(o, sizeof(T));
     page_pool_options p;
-    p.page_bytes = 2 * static_cast<std::size_t>(o.num_kv_heads) * o.fine_slice * o.head_dim * sizeof(T);
-    p.page_bytes = (p.page_bytes + mr::kAlignment - 1) / mr::kAlignment * mr::kAlignment;
-    p.chunk_bytes = std::max(o.chunk_bytes, p.page_bytes);
+    p.page_bytes = f.page_bytes;
+    p.chunk_bytes = f.pool_chunk_option;
     p.max_bytes = o.max_pool_bytes;
     p.reserve_pages = o.reserve_pages;
     return p;
