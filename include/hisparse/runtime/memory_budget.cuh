@@ -1,0 +1,152 @@
+#pragma once
+// Device memory of a model's sparse attention, predicted on the host from
+// the same arithmetic the cache and the operators allocate by
+// (kv/cache_footprint.hpp, the operators' workspace_bytes): the KV pages of
+// every request at its context, the cache's metadata, and the decode and
+// prefill workspaces, against a device limit. What does not fit is said in
+// pages: how many would have to live elsewhere (host offload) for the rest
+// to fit.
+//
+// One cache holds every layer (paged_kv_cache_options::num_layers); the
+// operators run one layer at a time, so one decode and one prefill
+// workspace serve them all.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "hisparse/config.hpp"
+#include "hisparse/core/status.hpp"
+#include "hisparse/kv/cache_footprint.hpp"
+#include "hisparse/runtime/hierarchical_attention.cuh"
+#include "hisparse/runtime/hierarchical_prefill.cuh"
+
+namespace hisparse {
+
+/// The attention shape of a whole model.
+struct model_shape {
+  int layers = 28;
+  int num_q_heads = 32;
+  int num_kv_heads = 8;
+  int head_dim = 128;
+};
+
+struct memory_budget_inputs {
+  model_shape model{};
+  SparseAttentionConfig config{};
+  /// Tokens each request will hold at most (prompt and generated): one cache
+  /// slot each; the cache is sized for the longest.
+  std::vector<std::int64_t> contexts;
+  std::size_t elem_bytes = 2;  ///< K/V element: 2 for bf16/fp16
+  std::size_t chunk_bytes = std::size_t{1} << 20;  ///< the page pool's chunk
+  std::int32_t prefill_tokens = 16384;  ///< the largest prefill call (its selection lists)
+  int num_sms = 132;                    ///< the GPU's (sm_90-class), for the decode attention's plan
+  std::size_t device_limit = 0;         ///< bytes the whole must fit
+};
+
+struct memory_budget {
+  kv::cache_footprint footprint{};
+  std::int64_t pages = 0;            ///< every request at its context, every layer
+  std::size_t page_memory = 0;       ///< those pages in whole pool chunks
+  std::size_t metadata = 0;          ///< the cache's tables and summaries
+  std::size_t decode_workspace = 0;  ///< hierarchical_decode at the whole batch
+  std::size_t prefill_workspace = 0; ///< hierarchical_prefill at prefill_tokens
+  std::size_t device_limit = 0;
+
+  [[nodiscard]] std::size_t total() const { return page_memory + metadata + decode_workspace + prefill_workspace; }
+  [[nodiscard]] bool fits() const { return total() <= device_limit; }
+  /// Bytes left for pages once metadata and workspaces are placed (0 if none).
+  [[nodiscard]] std::size_t page_budget() const {
+    const std::size_t fixed = metadata + decode_workspace + prefill_workspace;
+    return device_limit > fixed ? device_limit - fixed : 0;
+  }
+  /// Pages that fit the page budget, in whole chunks.
+  [[nodiscard]] std::int64_t resident_pages() const {
+    return static_cast<std::int64_t>(page_budget() / footprint.chunk_bytes) * footprint.pages_per_chunk;
+  }
+  /// Pages that must live elsewhere (host memory) for the rest to fit; 0
+  /// when everything fits. The metadata and workspaces always stay.
+  [[nodiscard]] std::int64_t pages_off_device() const { return std::max<std::int64_t>(0, pages - resident_pages()); }
+  [[nodiscard]] std::size_t host_bytes() const {
+    return static_cast<std::size_t>(pages_off_device()) * footprint.page_bytes;
+  }
+};
+
+/// The budget of `in`; fails with the reason on an invalid model, config or
+/// context (a context over the config's limits, no request).
+[[nodiscard]] inline status plan_memory(const memory_budget_inputs& in, memory_budget& out) {
+  auto bad = [](const std::string& why) { return fail(status::invalid_argument, "memory budget: " + why); };
+  const model_shape& m = in.model;
+  if (m.layers < 1 || m.num_kv_heads < 1 || m.num_q_heads < m.num_kv_heads || m.num_q_heads % m.num_kv_heads != 0)
+    return bad("model shape (layers >= 1, num_q_heads a multiple of num_kv_heads)");
+  if (in.contexts.empty()) return bad("no request");
+  if (in.elem_bytes != 1 && in.elem_bytes != 2 && in.elem_bytes != 4) return bad("elem_bytes must be 1, 2 or 4");
+  HISPARSE_TRY(check(in.config));
+  std::int64_t longest = 0;
+  for (const std::int64_t c : in.contexts) {
+    if (c < 1 || c > kMaxContext) return bad("a context of " + std::to_string(c) + " tokens");
+    longest = std::max(longest, c);
+  }
+  const attention_shape shape{m.num_q_heads, m.num_kv_heads, m.head_dim};
+  HISPARSE_TRY(check_problem(in.config, shape, in.contexts));
+
+  kv::paged_kv_cache_options o;
+  o.num_layers = m.layers;
+  o.num_kv_heads = m.num_kv_heads;
+  o.head_dim = m.head_dim;
+  o.fine_slice = in.config.fine_slice;
+  o.coarse_block = in.config.coarse_block;
+  o.max_sequences = static_cast<int>(in.contexts.size());
+  o.max_context = longest;
+  o.chunk_bytes = in.chunk_bytes;
+  o.fine_summary = in.config.fine_summary;
+  memory_budget b;
+  b.footprint = kv::footprint_of(o, in.elem_bytes);
+  for (const std::int64_t c : in.contexts) b.pages += b.footprint.sequence_pages(c);
+  b.page_memory = b.footprint.page_memory(b.pages);
+  b.metadata = b.footprint.metadata_bytes();
+  b.device_limit = in.device_limit;
+
+  // The operators' own sizing, on shape-only arguments (nothing is read).
+  static __nv_bfloat16 dummy alignas(16)[8]{};
+  static __nv_bfloat16* table[1]{dummy};
+  static std::int32_t lengths[1]{};
+  static const select::prefill_segment segment{};
+  kv::paged_kv_ref<__nv_bfloat16> cache;
+  static_cast<kv::summary_layout&>(cache) =
+      kv::summary_layout{m.layers, m.num_kv_heads, m.head_dim, o.fine_slice, o.coarse_block,
+                         b.footprint.max_slices, b.footprint.max_blocks};
+  cache.page_table = table;
+  cache.lengths = lengths;
+  cache.slice_sums = cache.block_sums = reinterpret_cast<const float*>(dummy);
+  cache.fine = in.config.fine_summary;
+  cache.fine_rows = dummy;
+  decode_step_arguments<__nv_bfloat16> d;
+  d.queries = dummy;
+  d.slots = lengths;
+  d.batch = static_cast<int>(in.contexts.size());
+  d.num_q_heads = m.num_q_heads;
+  d.cache = cache;
+  d.out = dummy;
+  HISPARSE_TRY(hierarchical_decode<__nv_bfloat16>(in.config).workspace_bytes(d, in.num_sms, b.decode_workspace));
+  if (in.prefill_tokens > 0) {
+    prefill_step_arguments<__nv_bfloat16> p;
+    p.queries = dummy;
+    p.segments = &segment;
+    p.num_segments = 1;
+    // A call of prefill_tokens positions from any boundary, cut by at most
+    // one tile more per sequence.
+    p.num_tiles = (in.prefill_tokens + in.config.query_tile - 1) / in.config.query_tile +
+                  static_cast<int>(in.contexts.size());
+    p.num_q_heads = m.num_q_heads;
+    p.cache = cache;
+    p.out = dummy;
+    HISPARSE_TRY(hierarchical_prefill<__nv_bfloat16>(in.config).workspace_bytes(p, b.prefill_workspace));
+  }
+  out = b;
+  return status::success;
+}
+
+}  // namespace hisparse

@@ -1,0 +1,162 @@
+#pragma once
+// Admission by forecast KV growth (DESIGN.md section 4). A request declares
+// its prompt and the most tokens it may generate; once admitted it holds its
+// prompt's pages at once (prefill), one more token a step (decode), and frees
+// everything when it reaches prompt + max_new tokens. The scheduler admits
+// the oldest waiting request only when the forecast of every admitted
+// request's memory, step by step until the last one ends, stays within the
+// budget with it included: so nothing admitted can run out of memory (never
+// start what cannot finish), and no reservation is held for tokens a
+// request that ends earlier will not reach.
+//
+// The forecast's peak: each request's bytes grow until it ends and then
+// drop to zero, so the total is largest just before some request ends;
+// checking those instants (and now) is exact. O(n^2) in the running
+// requests, host only.
+//
+// Requests larger than the whole budget are rejected at submit, with the
+// reason; every other request is eventually admitted (first come, first
+// served; a later, smaller request may go first only while the oldest has
+// waited fewer than `max_bypass` admissions), so none is lost.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "hisparse/core/status.hpp"
+
+namespace hisparse {
+
+struct serving_request {
+  std::int64_t id = 0;
+  std::int64_t prompt_tokens = 0;
+  std::int64_t max_new_tokens = 0;
+  [[nodiscard]] std::int64_t final_tokens() const { return prompt_tokens + max_new_tokens; }
+};
+
+class admission_scheduler {
+ public:
+  /// Device bytes one request holds at `tokens` tokens (nondecreasing), e.g.
+  /// its pages over every layer (kv::cache_footprint::sequence_pages times
+  /// page_bytes).
+  using bytes_function = std::function<std::size_t(std::int64_t tokens)>;
+
+  struct options {
+    std::size_t budget_bytes = 0;  ///< what the running requests' pages may hold
+    int max_running = 0;           ///< cache slots (0: no limit)
+    int max_bypass = 8;            ///< admissions that may pass the oldest waiting request
+  };
+
+  admission_scheduler(const options& o, bytes_function bytes_of) : opt_(o), bytes_of_(std::move(bytes_of)) {}
+
+  /// Queues a request; rejects (invalid_argument, with the reason) one
+  /// whose final size alone exceeds the budget, or one with no tokens.
+  [[nodiscard]] status submit(const serving_request& r) {
+    if (r.prompt_tokens < 1 || r.max_new_tokens < 0)
+      return fail(status::invalid_argument, "scheduler: request " + std::to_string(r.id) +
+                                                " needs a prompt and max_new_tokens >= 0");
+    if (bytes_of_(r.final_tokens()) > opt_.budget_bytes)
+      return fail(status::invalid_argument, "scheduler: request " + std::to_string(r.id) + " needs " +
+                                                std::to_string(bytes_of_(r.final_tokens())) +
+                                                " bytes at its last token, more than the budget of " +
+                                                std::to_string(opt_.budget_bytes));
+    waiting_.push_back({r, 0});
+    return status::success;
+  }
+
+  /// Admits what fits now, oldest first (see the top of the file); the
+  /// admitted requests start holding their prompt. Returns them.
+  std::vector<serving_request> admit() {
+    std::vector<serving_request> admitted;
+    for (auto it = waiting_.begin(); it != waiting_.end();) {
+      if (opt_.max_running > 0 && static_cast<int>(running_.size()) >= opt_.max_running) break;
+      const bool oldest = it == waiting_.begin();
+      if (!oldest && waiting_.front().passed >= opt_.max_bypass) break;  // the oldest goes next
+      if (forecast_peak(&it->request) <= opt_.budget_bytes) {
+        running_.push_back({it->request, it->request.prompt_tokens});
+        admitted.push_back(it->request);
+        if (!oldest) ++waiting_.front().passed;
+        it = waiting_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    return admitted;
+  }
+
+  /// One decode step: every running request gains a token; those that
+  /// reach their final size end (their pages are freed). Returns them.
+  std::vector<serving_request> step() {
+    std::vector<serving_request> done;
+    for (auto it = running_.begin(); it != running_.end();) {
+      if (it->tokens >= it->request.final_tokens()) {
+        done.push_back(it->request);
+        it = running_.erase(it);
+      } else {
+        ++it->tokens;
+        ++it;
+      }
+    }
+    return done;
+  }
+
+  /// A running request that stops early (end of sequence): freed now.
+  [[nodiscard]] status finish(std::int64_t id) {
+    for (auto it = running_.begin(); it != running_.end(); ++it)
+      if (it->request.id == id) {
+        running_.erase(it);
+        return status::success;
+      }
+    return fail(status::invalid_argument, "scheduler: request " + std::to_string(id) + " is not running");
+  }
+
+  /// Bytes the running requests hold now.
+  [[nodiscard]] std::size_t used_bytes() const {
+    std::size_t b = 0;
+    for (const auto& r : running_) b += bytes_of_(r.tokens);
+    return b;
+  }
+  /// The largest total the running requests (and `candidate`, starting
+  /// now with its prompt) will hold before they all end.
+  [[nodiscard]] std::size_t forecast_peak(const serving_request* candidate = nullptr) const {
+    std::vector<running> all(running_.begin(), running_.end());
+    if (candidate != nullptr) all.push_back({*candidate, candidate->prompt_tokens});
+    std::size_t peak = 0;
+    // Now, and the last step of each request (its tokens at its largest).
+    for (std::size_t k = 0; k <= all.size(); ++k) {
+      const std::int64_t t = k == all.size() ? 0 : all[k].request.final_tokens() - all[k].tokens;
+      std::size_t total = 0;
+      for (const auto& r : all) {
+        const std::int64_t left = r.request.final_tokens() - r.tokens;
+        if (left >= t) total += bytes_of_(r.tokens + t);
+      }
+      peak = std::max(peak, total);
+    }
+    return peak;
+  }
+
+  [[nodiscard]] std::size_t waiting() const { return waiting_.size(); }
+  [[nodiscard]] std::size_t running_count() const { return running_.size(); }
+  [[nodiscard]] const options& settings() const { return opt_; }
+
+ private:
+  struct queued {
+    serving_request request;
+    int passed = 0;  ///< admissions that went before it while it was the oldest
+  };
+  struct running {
+    serving_request request;
+    std::int64_t tokens = 0;
+  };
+
+  options opt_;
+  bytes_function bytes_of_;
+  std::deque<queued> waiting_;
+  std::vector<running> running_;
+};
+
+}  // namespace hisparse
