@@ -34,7 +34,6 @@
 // bank conflicts.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -723,23 +722,8 @@ bool runs_sm90_build() {
 template <class T, int D, tile_policy Tile>
 status launch_decode_attention(decode_attention_params<T> p, int smem_bytes, bool overlap_previous,
                                cudaStream_t stream) {
-  auto* kernel = &decode_attention_kernel<T, D, Tile.warps, Tile.stages>;
-  // Raise the kernel's dynamic shared-memory limit whenever a launch needs
-  // more than it was last set to on this device. Not only past 48 KB: the
-  // static shared memory counts toward the 48 KB default too (48 KB of ring
-  // at head_dim 64 failed to launch without this).
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> raised[kMaxDevices];
-  int device = 0;
-  HISPARSE_CUDA_TRY(cudaGetDevice(&device));
-  if (device >= kMaxDevices || raised[device].load(std::memory_order_relaxed) < smem_bytes) {
-    HISPARSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-    if (device < kMaxDevices) {
-      int seen = raised[device].load(std::memory_order_relaxed);
-      while (seen < smem_bytes && !raised[device].compare_exchange_weak(seen, smem_bytes)) {
-      }
-    }
-  }
+  constexpr auto kernel = &decode_attention_kernel<T, D, Tile.warps, Tile.stages>;
+  HISPARSE_TRY(hisparse::detail::raise_dynamic_smem<kernel>(smem_bytes));
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.a.cache.kv_heads * p.head_splits),
                         static_cast<unsigned>(p.a.batch));

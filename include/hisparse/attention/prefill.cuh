@@ -20,7 +20,6 @@
 // heads side by side, so the GQA group's K/V loads meet in L2.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -32,6 +31,7 @@
 #include "hisparse/core/dispatch.hpp"
 #include "hisparse/core/dtype.hpp"
 #include "hisparse/core/gpu_limits.hpp"
+#include "hisparse/core/kernel_build.hpp"
 #include "hisparse/core/ptx.cuh"
 #include "hisparse/core/status.hpp"
 #include "hisparse/kv/paged_kv_ref.hpp"
@@ -447,22 +447,9 @@ __global__ void __launch_bounds__(Warps * 32, tuning::prefill_attention_ctas_per
 
 template <class T, int D, tile_policy Tile, int MTiles, pv_precision P>
 status launch_prefill_attention(const prefill_attention_params<T>& p, int smem_bytes, cudaStream_t stream) {
-  auto* kernel = &prefill_attention_kernel<T, D, Tile.warps, Tile.block_kv, Tile.stages, MTiles, P == pv_precision::split>;
-  // Raise the dynamic shared-memory limit whenever a launch needs more than
-  // it was last set to on this device (static shared memory counts toward
-  // the 48 KB default too).
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> raised[kMaxDevices];
-  int device = 0;
-  HISPARSE_CUDA_TRY(cudaGetDevice(&device));
-  if (device >= kMaxDevices || raised[device].load(std::memory_order_relaxed) < smem_bytes) {
-    HISPARSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-    if (device < kMaxDevices) {
-      int seen = raised[device].load(std::memory_order_relaxed);
-      while (seen < smem_bytes && !raised[device].compare_exchange_weak(seen, smem_bytes)) {
-      }
-    }
-  }
+  constexpr auto kernel =
+      &prefill_attention_kernel<T, D, Tile.warps, Tile.block_kv, Tile.stages, MTiles, P == pv_precision::split>;
+  HISPARSE_TRY(hisparse::detail::raise_dynamic_smem<kernel>(smem_bytes));
   const std::int64_t ctas = std::int64_t{p.a.num_tiles} * (p.a.num_q_heads / MTiles);
   kernel<<<static_cast<unsigned>(ctas), Tile.threads(), static_cast<std::size_t>(smem_bytes), stream>>>(p);
   HISPARSE_CUDA_TRY(cudaGetLastError());

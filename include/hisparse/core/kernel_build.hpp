@@ -11,6 +11,7 @@
 #include <cuda_runtime_api.h>
 
 #include "hisparse/core/macros.hpp"
+#include "hisparse/core/status.hpp"
 
 namespace hisparse::detail {
 
@@ -45,5 +46,26 @@ class per_device_flag {
   static constexpr int kDevices = 64;
   std::atomic<signed char> known_[kDevices]{};  // 0 unknown, 1 no, 2 yes
 };
+
+/// Raises `Kernel`'s dynamic shared-memory limit to `bytes` whenever a
+/// launch needs more than it was last set to on this device. Not only past
+/// 48 KB: the static shared memory counts toward the 48 KB default too (a
+/// 48 KB ring at head_dim 64 failed to launch without this). One record per
+/// kernel (the template argument) and device.
+template <auto Kernel>
+[[nodiscard]] status raise_dynamic_smem(int bytes) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> raised[kMaxDevices];
+  int device = 0;
+  HISPARSE_CUDA_TRY(cudaGetDevice(&device));
+  if (device < kMaxDevices && raised[device].load(std::memory_order_relaxed) >= bytes) return status::success;
+  HISPARSE_CUDA_TRY(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  if (device < kMaxDevices) {
+    int seen = raised[device].load(std::memory_order_relaxed);
+    while (seen < bytes && !raised[device].compare_exchange_weak(seen, bytes)) {
+    }
+  }
+  return status::success;
+}
 
 }  // namespace hisparse::detail
