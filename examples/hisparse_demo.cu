@@ -8,10 +8,12 @@
 // speed-up, tokens attended per query, attention-mass recall (exp(lse_sparse
 // - lse_dense): the dense softmax mass of the attended tokens) and the
 // output's relative error against dense.
-// Then the prefill of request 0's whole prompt (its own keys as its queries,
-// query head h taking KV head h / G's): the composed sparse prefill
-// (selection + attention) against the dense causal attention, with the mass
-// recall of every (position, query head).
+// Then the prefill of request 0's whole prompt: the composed sparse prefill
+// (selection + attention) against the dense causal attention, timed with
+// the prompt's own keys as its queries (query head h taking KV head h / G's);
+// the mass recall over its last query tile, whose queries are the
+// workload's (it anchors recency and needles at the prompt's end, so the
+// earlier positions do not have its statistics).
 // Without a GPU (or with --cpu): the fp64 CPU reference of the decode step,
 // per context (a whole-prompt prefill is too long for it).
 //
@@ -196,11 +198,30 @@ struct prefill_figures {
   double sparse_s = 0, select_s = 0, dense_s = 0, recall = 0;
 };
 
+/// Runs a planned sparse prefill and the dense one over the same segment and
+/// returns the mean over its (query, head) rows of exp(lse_sparse - lse_dense):
+/// the dense softmax mass of what the sparse one attended.
+template <class Sparse, class Dense>
+double prefill_recall(const Sparse& sparse, const Dense& dense, const device_array<float>& lse_sparse,
+                      const device_array<float>& lse_dense, std::size_t rows, cudaStream_t stream) {
+  throw_if_error(sparse.run(stream));
+  throw_if_error(dense.run(stream));
+  HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const auto ls = lse_sparse.download(rows), ld = lse_dense.download(rows);
+  double recall = 0;
+  for (std::size_t i = 0; i < rows; ++i) recall += std::exp(static_cast<double>(ls[i]) - ld[i]);
+  return recall / static_cast<double>(rows);
+}
+
 /// The whole prompt of `slot` (ctx tokens, keys at `keys` on the device):
-/// sparse prefill against dense causal prefill.
+/// sparse prefill against dense causal prefill, timed with the prompt's own
+/// keys as its queries (the time does not depend on the values); the recall
+/// over its last query tile with the workload's queries (`tail`, host,
+/// [rows][Hq][D]: the workload anchors its recency and needles at the end
+/// of the prompt, so only the last positions have its statistics).
 prefill_figures prefill_row(const hisparse::SparseAttentionConfig& cfg, const hisparse::attention_shape& shape,
                             const hisparse::kv::paged_kv_ref<__nv_bfloat16>& cache, int slot, std::int64_t ctx,
-                            const __nv_bfloat16* keys, cudaStream_t stream) {
+                            const __nv_bfloat16* keys, const std::vector<__nv_bfloat16>& tail, cudaStream_t stream) {
   using namespace hisparse;
   using bf16 = __nv_bfloat16;
   const int Hq = shape.num_q_heads, D = shape.head_dim;
@@ -209,11 +230,16 @@ prefill_figures prefill_row(const hisparse::SparseAttentionConfig& cfg, const hi
   device_array<float> lse_sparse(rows), lse_dense(rows);
   keys_as_queries<<<1024, 256, 0, stream>>>(keys, q.ptr, ctx, Hq, shape.group_size(), D);
   HISPARSE_CUDA_CHECK(cudaGetLastError());
-  std::vector<select::prefill_segment> segs{{slot, 0, static_cast<std::int32_t>(ctx), 0, 0}};
-  int tiles = 0;
+  // The whole prompt, then its last tile: two calls of the same operators.
+  const auto tail_begin = static_cast<std::int32_t>((ctx - 1) / cfg.query_tile * cfg.query_tile);
+  const auto tail_n = static_cast<std::int32_t>(ctx) - tail_begin;
+  std::vector<select::prefill_segment> segs{{slot, 0, static_cast<std::int32_t>(ctx), 0, 0},
+                                            {slot, tail_begin, tail_n, 0, 0}};
+  int tiles = 0, tail_tiles = 0;
   throw_if_error(select::layout_prefill_segments(segs.data(), 1, cfg.query_tile, tiles));
-  device_array<select::prefill_segment> d_segs(1);
-  d_segs.upload(segs.data(), 1);
+  throw_if_error(select::layout_prefill_segments(segs.data() + 1, 1, cfg.query_tile, tail_tiles));
+  device_array<select::prefill_segment> d_segs(2);
+  d_segs.upload(segs.data(), 2);
   prefill_step_arguments<bf16> a;
   a.queries = q.ptr;
   a.segments = d_segs.ptr;
@@ -239,10 +265,18 @@ prefill_figures prefill_row(const hisparse::SparseAttentionConfig& cfg, const hi
   f.sparse_s = time_median(stream, 5, [&] { throw_if_error(sparse.run(stream)); });
   f.select_s = sparse.runs_dense() ? 0.0 : time_median(stream, 5, [&] { throw_if_error(sparse.run_selection(stream)); });
   f.dense_s = time_median(stream, ctx > 65536 ? 1 : 3, [&] { throw_if_error(dense.run(stream)); });
-  HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  const auto ls = lse_sparse.download(rows), ld = lse_dense.download(rows);
-  for (std::size_t i = 0; i < rows; ++i) f.recall += std::exp(static_cast<double>(ls[i]) - ld[i]);
-  f.recall /= static_cast<double>(rows);
+
+  const std::size_t tail_rows = static_cast<std::size_t>(tail_n) * Hq;
+  q.upload(tail.data(), tail_rows * D);
+  a.segments = d_segs.ptr + 1;
+  a.num_tiles = tail_tiles;
+  a.out = out_sparse.ptr;
+  a.lse = lse_sparse.ptr;
+  throw_if_error(sparse.rebind(a));
+  a.out = out_dense.ptr;
+  a.lse = lse_dense.ptr;
+  throw_if_error(dense.plan(a));
+  f.recall = prefill_recall(sparse, dense, lse_sparse, lse_dense, tail_rows, stream);
   return f;
 }
 
@@ -266,7 +300,9 @@ void run_gpu(const options& opt, const hisparse::SparseAttentionConfig& cfg, con
     workload::synthetic_options wo;
     wo.context = ctx;
     wo.shape = shape;
-    wo.num_queries = B;
+    // The decode rows take the first B queries; the prefill's last tile up
+    // to query_tile of them (the first B are the same either way).
+    wo.num_queries = std::min<std::int64_t>(ctx, std::max(B, cfg.query_tile));
     wo.seed = opt.seed + static_cast<std::uint64_t>(ctx);
     const auto w = workload::make_synthetic_workload<bf16>(wo);
     const double gen_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -357,10 +393,15 @@ void run_gpu(const options& opt, const hisparse::SparseAttentionConfig& cfg, con
     device.deallocate(sparse_ws, sparse_bytes, stream);
     device.deallocate(dense_ws, dense_bytes, stream);
     HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
-    prefills.push_back(prefill_row(cfg, shape, cache.ref(), slots[0], ctx, k.ptr, stream));
+    // The workload's queries as the prompt's last positions (the first
+    // `tail` of them; the decode rows above used the first B).
+    const std::int64_t tail = ctx - (ctx - 1) / cfg.query_tile * cfg.query_tile;
+    std::vector<bf16> tail_q(w.queries.begin(), w.queries.begin() + tail * Hq * D);
+    prefills.push_back(prefill_row(cfg, shape, cache.ref(), slots[0], ctx, k.ptr, tail_q, stream));
   }
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
-  std::printf("\nprefill of request 0's whole prompt (queries: its own keys), one sequence:\n");
+  std::printf("\nprefill of request 0's whole prompt, one sequence (timed with its own keys as queries; mass\n"
+              "recall over its last query tile, with the workload's queries, anchored at the prompt's end):\n");
   std::printf("%9s %13s %13s %11s %9s %12s\n", "context", "sparse", "(selection)", "dense", "speed-up",
               "mass recall");
   for (const auto& f : prefills)
