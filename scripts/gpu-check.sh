@@ -71,32 +71,48 @@ fi
 
 echo "== $(date +%T) sanitizers =="
 # Sanitizers last: the slowest part, and the results above are already saved.
-# compute-sanitizer over every test binary that has GPU tests.
+# compute-sanitizer over every test binary that has GPU tests, one process
+# per test case, HISPARSE_SANITIZE_JOBS (4) at a time: a whole binary under
+# racecheck outlasted any timeout, and a case that hangs costs only itself.
+# A case's name is escaped for Catch's test spec (',', '[', ']', '\').
+catch_escape() { printf '%s' "$1" | sed -e 's/\\/\\\\/g' -e 's/,/\\,/g' -e 's/\[/\\[/g' -e 's/\]/\\]/g'; }
 for exe in build/h200/test/test_gpu_*; do
   [ -x "$exe" ] || continue
   [[ "$(basename "$exe")" =~ ${HISPARSE_SANITIZE:-.} ]] || continue
   for tool in memcheck racecheck; do
-    log=$(mktemp)
+    logs=$(mktemp -d)
     # Tests tagged [expected_api_error] make a CUDA call fail on purpose: run
     # them without API-error reporting, everything else with it.
     expected=true
     if "$exe" --list-test-names-only "[expected_api_error]" 2>/dev/null | grep -q '[a-z]'; then
       timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 1 --report-api-errors no "$exe" \
-        "[expected_api_error]" >"$log.api" 2>&1 || expected=false
+        "[expected_api_error]" >"$logs/api" 2>&1 || expected=false
     fi
     # HISPARSE_SANITIZE_SPEC_<binary> narrows a binary's test cases (to keep
     # the CPU-reference-heavy ones out of a short call).
     spec_var="HISPARSE_SANITIZE_SPEC_$(basename "$exe")"
     spec="${!spec_var:-[gpu]~[expected_api_error]}"
-    if timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 1 "$exe" "$spec" \
-         >"$log" 2>&1 && $expected; then
-      summary+=("$tool $(basename "$exe"): clean")
+    mapfile -t cases < <("$exe" --list-test-names-only "$spec" 2>/dev/null | grep '[[:alnum:]]')
+    i=0
+    for name in "${cases[@]}"; do
+      ( timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 1 "$exe" "$(catch_escape "$name")" \
+          >"$logs/case.$i" 2>&1 || echo "$name" >>"$logs/failed" ) &
+      i=$((i + 1))
+      while [ "$(jobs -rp | wc -l)" -ge "${HISPARSE_SANITIZE_JOBS:-4}" ]; do wait -n; done
+    done
+    wait
+    if [ ${#cases[@]} -gt 0 ] && [ ! -s "$logs/failed" ] && $expected; then
+      summary+=("$tool $(basename "$exe"): clean (${#cases[@]} cases)")
     else
       summary+=("$tool $(basename "$exe"): FAILED (see sanitize.log)")
     fi
-    { echo "=== $tool $(basename "$exe")"; tail -n 40 "$log"; } >>"$out/sanitize.log"
-    [ -f "$log.api" ] && tail -n 5 "$log.api" >>"$out/sanitize.log"
-    rm -f "$log" "$log.api"
+    {
+      echo "=== $tool $(basename "$exe"): ${#cases[@]} cases"
+      [ -s "$logs/failed" ] && { echo "failed:"; cat "$logs/failed"; }
+      for f in "$logs"/case.*; do [ -f "$f" ] && grep -h -E "ERROR SUMMARY|RACECHECK SUMMARY|FAILED|test cases" "$f"; done | sort | uniq -c
+      [ -f "$logs/api" ] && tail -n 5 "$logs/api"
+    } >>"$out/sanitize.log"
+    rm -rf "$logs"
   done
 done
 
