@@ -50,6 +50,23 @@ struct decode_step_arguments {
   float softmax_scale = 0.0f;  ///< 0: 1 / sqrt(head_dim)
 };
 
+/// Shape-only arguments for `cache`: what checks and workspace sizes read
+/// (batch, heads, the cache's layout), with placeholder pointers that are
+/// never dereferenced. For sizing before any buffer exists.
+template <class T>
+[[nodiscard]] decode_step_arguments<T> shape_only_decode_arguments(const kv::paged_kv_ref<T>& cache, int batch,
+                                                                   int num_q_heads) {
+  static const T placeholder alignas(16)[8]{};
+  decode_step_arguments<T> a;
+  a.queries = placeholder;
+  a.slots = reinterpret_cast<const std::int32_t*>(placeholder);
+  a.batch = batch;
+  a.num_q_heads = num_q_heads;
+  a.cache = cache;
+  a.out = const_cast<T*>(placeholder);
+  return a;
+}
+
 namespace detail {
 /// The attention over every stored token of a step's arguments (the sparse
 /// step adds its selection to this).

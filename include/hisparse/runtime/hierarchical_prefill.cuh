@@ -56,6 +56,25 @@ struct prefill_step_arguments {
   float softmax_scale = 0.0f;  ///< 0: 1 / sqrt(head_dim)
 };
 
+/// Shape-only arguments for `cache` and a call of `tiles` tiles: what checks
+/// and workspace sizes read, with placeholder pointers that are never
+/// dereferenced (hierarchical_attention.cuh has the decode one).
+template <class T>
+[[nodiscard]] prefill_step_arguments<T> shape_only_prefill_arguments(const kv::paged_kv_ref<T>& cache, int tiles,
+                                                                     int num_q_heads) {
+  static const T placeholder alignas(16)[8]{};
+  static const select::prefill_segment segment{};
+  prefill_step_arguments<T> a;
+  a.queries = placeholder;
+  a.segments = &segment;
+  a.num_segments = 1;
+  a.num_tiles = tiles;
+  a.num_q_heads = num_q_heads;
+  a.cache = cache;
+  a.out = const_cast<T*>(placeholder);
+  return a;
+}
+
 template <class T, tile_policy Tile = attention::kPrefillTile,
           attention::pv_precision P = attention::pv_precision::split>
 class hierarchical_prefill {

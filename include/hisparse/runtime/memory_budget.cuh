@@ -109,41 +109,29 @@ struct memory_budget {
   b.metadata = b.footprint.metadata_bytes();
   b.device_limit = in.device_limit;
 
-  // The operators' own sizing, on shape-only arguments (nothing is read).
-  static __nv_bfloat16 dummy alignas(16)[8]{};
-  static __nv_bfloat16* table[1]{dummy};
+  // The operators' own sizing, on shape-only arguments (nothing is read):
+  // a cache view with this layout and placeholder pointers.
+  static __nv_bfloat16 placeholder alignas(16)[8]{};
+  static __nv_bfloat16* table[1]{placeholder};
   static std::int32_t lengths[1]{};
-  static const select::prefill_segment segment{};
   kv::paged_kv_ref<__nv_bfloat16> cache;
   static_cast<kv::summary_layout&>(cache) =
       kv::summary_layout{m.layers, m.num_kv_heads, m.head_dim, o.fine_slice, o.coarse_block,
                          b.footprint.max_slices, b.footprint.max_blocks};
   cache.page_table = table;
   cache.lengths = lengths;
-  cache.slice_sums = cache.block_sums = reinterpret_cast<const float*>(dummy);
+  cache.slice_sums = cache.block_sums = reinterpret_cast<const float*>(placeholder);
   cache.fine = in.config.fine_summary;
-  cache.fine_rows = dummy;
-  decode_step_arguments<__nv_bfloat16> d;
-  d.queries = dummy;
-  d.slots = lengths;
-  d.batch = static_cast<int>(in.contexts.size());
-  d.num_q_heads = m.num_q_heads;
-  d.cache = cache;
-  d.out = dummy;
-  HISPARSE_TRY(hierarchical_decode<__nv_bfloat16>(in.config).workspace_bytes(d, in.num_sms, b.decode_workspace));
+  cache.fine_rows = placeholder;
+  const int batch = static_cast<int>(in.contexts.size());
+  HISPARSE_TRY(hierarchical_decode<__nv_bfloat16>(in.config).workspace_bytes(
+      shape_only_decode_arguments(cache, batch, m.num_q_heads), in.num_sms, b.decode_workspace));
   if (in.prefill_tokens > 0) {
-    prefill_step_arguments<__nv_bfloat16> p;
-    p.queries = dummy;
-    p.segments = &segment;
-    p.num_segments = 1;
     // A call of prefill_tokens positions from any boundary, cut by at most
     // one tile more per sequence.
-    p.num_tiles = (in.prefill_tokens + in.config.query_tile - 1) / in.config.query_tile +
-                  static_cast<int>(in.contexts.size());
-    p.num_q_heads = m.num_q_heads;
-    p.cache = cache;
-    p.out = dummy;
-    HISPARSE_TRY(hierarchical_prefill<__nv_bfloat16>(in.config).workspace_bytes(p, b.prefill_workspace));
+    const int tiles = (in.prefill_tokens + in.config.query_tile - 1) / in.config.query_tile + batch;
+    HISPARSE_TRY(hierarchical_prefill<__nv_bfloat16>(in.config).workspace_bytes(
+        shape_only_prefill_arguments(cache, tiles, m.num_q_heads), b.prefill_workspace));
   }
   out = b;
   return status::success;

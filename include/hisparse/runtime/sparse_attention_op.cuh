@@ -192,30 +192,10 @@ class sparse_attention_op {
 
  private:
   static decode_step_arguments<T> probe_arguments(const init_arguments& in, int batch) {
-    // Shape-only arguments: checks and sizes never dereference these.
-    static const T dummy_queries alignas(16)[8]{};
-    decode_step_arguments<T> a;
-    a.queries = dummy_queries;
-    a.slots = reinterpret_cast<const std::int32_t*>(dummy_queries);
-    a.batch = batch;
-    a.num_q_heads = in.num_q_heads;
-    a.cache = in.cache;
-    a.out = const_cast<T*>(dummy_queries);
-    return a;
+    return shape_only_decode_arguments(in.cache, batch, in.num_q_heads);
   }
-
   static prefill_step_arguments<T> prefill_probe_arguments(const init_arguments& in, int tiles) {
-    static const T dummy_queries alignas(16)[8]{};
-    static const select::prefill_segment dummy_segment{};
-    prefill_step_arguments<T> a;
-    a.queries = dummy_queries;
-    a.segments = &dummy_segment;
-    a.num_segments = 1;
-    a.num_tiles = tiles;
-    a.num_q_heads = in.num_q_heads;
-    a.cache = in.cache;
-    a.out = const_cast<T*>(dummy_queries);
-    return a;
+    return shape_only_prefill_arguments(in.cache, tiles, in.num_q_heads);
   }
 
   std::map<preset_id, hierarchical_decode<T, Tile>> ops_;
