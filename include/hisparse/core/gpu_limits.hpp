@@ -3,6 +3,8 @@
 // memory and whether it has thread-block clusters. Host calls only (no
 // stream work), so planning stays capturable.
 
+#include <mutex>
+
 #include <cuda_runtime_api.h>
 
 #include "hisparse/core/status.hpp"
@@ -19,14 +21,31 @@ struct gpu_limits {
   int cc_major = 9;  ///< compute capability, major: clusters from 9 on
 };
 
-/// The current device's multiprocessors and shared memory.
+/// The current device's multiprocessors and shared memory. A device's
+/// limits do not change while the process runs, so each device is asked
+/// once (the prefill launches call this every run).
 [[nodiscard]] inline status current_gpu_limits(gpu_limits& gpu) {
   int device = 0;
   HISPARSE_CUDA_TRY(cudaGetDevice(&device));
-  HISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&gpu.sms, cudaDevAttrMultiProcessorCount, device));
-  HISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&gpu.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
-  HISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&gpu.smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  HISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&gpu.cc_major, cudaDevAttrComputeCapabilityMajor, device));
+  constexpr int kDevices = 64;
+  static std::mutex mutex;
+  static gpu_limits known[kDevices];
+  static bool asked[kDevices] = {};
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (device < kDevices && asked[device]) {
+    gpu = known[device];
+    return status::success;
+  }
+  gpu_limits g;
+  HISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&g.sms, cudaDevAttrMultiProcessorCount, device));
+  HISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&g.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  HISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&g.smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  HISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&g.cc_major, cudaDevAttrComputeCapabilityMajor, device));
+  if (device < kDevices) {
+    known[device] = g;
+    asked[device] = true;
+  }
+  gpu = g;
   return status::success;
 }
 
