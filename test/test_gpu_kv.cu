@@ -544,7 +544,8 @@ TEST_CASE("a cache allocates exactly its footprint", "[gpu][kv][budget]") {
       }
       std::vector<__nv_bfloat16> kvh(static_cast<std::size_t>(rows) * o.num_kv_heads * o.head_dim, from_float<__nv_bfloat16>(0.5f));
       test::device_buffer<__nv_bfloat16> k(kvh), v(kvh);
-      REQUIRE(cache.append_async(0, segs, k.ptr, v.ptr, nullptr) == status::success);
+      for (int layer = 0; layer < o.num_layers; ++layer)  // sequence_pages counts every layer's
+        REQUIRE(cache.append_async(layer, segs, k.ptr, v.ptr, nullptr) == status::success);
       HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
       REQUIRE(stats.stats().current_bytes == f.metadata_bytes() + f.page_memory(pages));
     }
