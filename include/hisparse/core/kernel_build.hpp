@@ -68,4 +68,30 @@ template <auto Kernel>
   return status::success;
 }
 
+#if defined(__CUDACC__)
+/// 16 bytes of static shared memory only in a build for sm_90a, so the host
+/// can tell without a launch whether the build this device loads for this
+/// program's kernels holds wgmma (an sm_90 build without the `a` does not).
+template <int = 0>
+__global__ void sm90a_probe_kernel() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  __shared__ int marker[4];
+  reinterpret_cast<volatile int*>(marker)[threadIdx.x & 3] = 0;
+#endif
+}
+
+/// Whether the current device runs an sm_90a build (asked once per device).
+inline bool built_for_sm90a() {
+  static per_device_flag flag;
+  return flag.get([] {
+    cudaFuncAttributes attr{};
+    if (cudaFuncGetAttributes(&attr, sm90a_probe_kernel<0>) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return attr.sharedSizeBytes > 0;
+  });
+}
+#endif
+
 }  // namespace hisparse::detail

@@ -233,6 +233,110 @@ __device__ __forceinline__ unsigned pack2_residual(float x, float y, unsigned hi
   return pack2<T>(fmaxf(x - h.x, x > 0.0f ? kTiny : 0.0f), fmaxf(y - h.y, y > 0.0f ? kTiny : 0.0f));
 }
 
+// ---- Warpgroup tensor cores (wgmma, sm_90a): operands from shared memory
+// through descriptors (A also from registers), fp32 accumulators in
+// registers, asynchronous in commit groups. Built only where the compiler
+// targets sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); elsewhere they trap, and the
+// host launches their kernels only where the loaded build has them.
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define HISPARSE_WGMMA_ASM(...) asm volatile(__VA_ARGS__)
+#else
+#define HISPARSE_WGMMA_ASM(...) __trap()
+#endif
+// The accumulators: registers %0.. and their constraints.
+#define HISPARSE_WGMMA_R32 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define HISPARSE_WGMMA_R64 HISPARSE_WGMMA_R32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define HISPARSE_WGMMA_D32 \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define HISPARSE_WGMMA_D64 \
+    HISPARSE_WGMMA_D32, "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+// m64nNk16, d = A B + (accumulate ? d : 0); operand numbers after the
+// accumulators as strings. SS: A and B K-major through descriptors a, b.
+#define HISPARSE_WGMMA_SS(N, TY, R, D, A, B, P)                                                      \
+  HISPARSE_WGMMA_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %" P ", 0;\n"                                 \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {" R "}, %" A ", %" B \
+                     ", p, 1, 1, 0, 0;\n}\n"                                                           \
+                     : D                                                                           \
+                     : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
+// RS: A from registers (mma.sync's m16n8k16 A layout in each warp), B
+// MN-major (transposed) through descriptor b.
+#define HISPARSE_WGMMA_RS(N, TY, R, D, A0, A1, A2, A3, B, P)                                         \
+  HISPARSE_WGMMA_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %" P ", 0;\n"                                 \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {" R "}, {%" A0     \
+                     ", %" A1 ", %" A2 ", %" A3 "}, %" B ", p, 1, 1, 1;\n}\n"                            \
+                     : D                                                                           \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(accumulate)))
+
+/// Orders the warpgroup's register and shared-memory writes before its
+/// next wgmma reads them.
+__device__ __forceinline__ void wgmma_fence() { HISPARSE_WGMMA_ASM("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  HISPARSE_WGMMA_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+/// Waits until at most N of the warpgroup's wgmma groups are in flight.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  HISPARSE_WGMMA_ASM("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+/// Makes this thread's generic-proxy shared-memory writes (cp.async,
+/// st.shared) visible to the async proxy wgmma reads through.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  HISPARSE_WGMMA_ASM("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+/// Keeps the compiler from moving uses of a wgmma accumulator or operand
+/// register across the asynchronous instructions.
+__device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void fence_operand(unsigned& r) { asm volatile("" : "+r"(r)::"memory"); }
+
+/// A shared-memory matrix descriptor of the 128-byte swizzle: atoms of 8
+/// rows of 128 bytes, 1024-byte aligned, 16-byte chunk c of row r at c ^
+/// (r % 8). lbo, sbo: the leading and stride byte offsets of the PTX ISA's
+/// canonical layouts.
+__device__ __forceinline__ unsigned long long smem_desc_sw128(unsigned addr, unsigned lbo, unsigned sbo) {
+  return static_cast<unsigned long long>((addr & 0x3FFFFu) >> 4) |
+         static_cast<unsigned long long>((lbo >> 4) & 0x3FFFu) << 16 |
+         static_cast<unsigned long long>((sbo >> 4) & 0x3FFFu) << 32 | 1ull << 62;
+}
+
+/// wgmma m64nNk16, N = 64 or 128: A (64 x 16) and B (N x 16) K-major in
+/// shared memory; d = A B^T (+ d when accumulate), fp32.
+template <class T, int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], unsigned long long a, unsigned long long b,
+                                         bool accumulate) {
+  static_assert(N == 64 || N == 128);
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  if constexpr (N == 64 && kBf16) HISPARSE_WGMMA_SS(64, "bf16", HISPARSE_WGMMA_R32, HISPARSE_WGMMA_D32, "32", "33", "34");
+  else if constexpr (N == 64) HISPARSE_WGMMA_SS(64, "f16", HISPARSE_WGMMA_R32, HISPARSE_WGMMA_D32, "32", "33", "34");
+  else if constexpr (kBf16) HISPARSE_WGMMA_SS(128, "bf16", HISPARSE_WGMMA_R64, HISPARSE_WGMMA_D64, "64", "65", "66");
+  else HISPARSE_WGMMA_SS(128, "f16", HISPARSE_WGMMA_R64, HISPARSE_WGMMA_D64, "64", "65", "66");
+}
+
+/// wgmma m64nNk16, N = 64 or 128: A (64 x 16) from registers, B (16 x N)
+/// MN-major in shared memory; d = A B (+ d when accumulate), fp32.
+template <class T, int N>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long b,
+                                         bool accumulate) {
+  static_assert(N == 64 || N == 128);
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  if constexpr (N == 64 && kBf16)
+    HISPARSE_WGMMA_RS(64, "bf16", HISPARSE_WGMMA_R32, HISPARSE_WGMMA_D32, "32", "33", "34", "35", "36", "37");
+  else if constexpr (N == 64)
+    HISPARSE_WGMMA_RS(64, "f16", HISPARSE_WGMMA_R32, HISPARSE_WGMMA_D32, "32", "33", "34", "35", "36", "37");
+  else if constexpr (kBf16)
+    HISPARSE_WGMMA_RS(128, "bf16", HISPARSE_WGMMA_R64, HISPARSE_WGMMA_D64, "64", "65", "66", "67", "68", "69");
+  else
+    HISPARSE_WGMMA_RS(128, "f16", HISPARSE_WGMMA_R64, HISPARSE_WGMMA_D64, "64", "65", "66", "67", "68", "69");
+}
+
 /// max(a, b), NaN if either is NaN (fmaxf would drop it).
 __device__ __forceinline__ float max_nan(float a, float b) {
   float r;
