@@ -55,7 +55,19 @@ struct run_options {
   /// op: sparse_attention_op::forward (sparse only).
   path via = path::stages;
   bool expect_dense_plan = false;  ///< composed/op: the plan must pick the dense attention
+  attention::prefill_kernel kernel = attention::prefill_kernel::automatic;
 };
+
+/// The attention kernels this device runs: the portable one, and the Hopper
+/// one on an sm_90 part where the build targets sm_90a (then `automatic`
+/// picks it for head_dim 64 and 128).
+std::vector<attention::prefill_kernel> kernels_here() {
+  gpu_limits gpu{};
+  REQUIRE(current_gpu_limits(gpu) == status::success);
+  if (gpu.cc_major == 9 && hisparse::detail::built_for_sm90a())
+    return {attention::prefill_kernel::portable, attention::prefill_kernel::hopper};
+  return {attention::prefill_kernel::portable};
+}
 
 template <class T, attention::pv_precision P = attention::pv_precision::split>
 prefill_result<T> run_prefill(const test::problem<T>& p, const std::vector<std::int32_t>& n, std::uint64_t seed,
@@ -195,6 +207,7 @@ prefill_result<T> run_prefill(const test::problem<T>& p, const std::vector<std::
     a.window = p.cfg.window;
   }
   a.heads_per_cta = how.heads_per_cta;
+  a.kernel = how.kernel;
   a.out = d_out.ptr;
   a.lse = d_lse.ptr;
   REQUIRE((attention::prefill_attention_async<T, attention::kPrefillTile, P>(a)) == status::success);
@@ -302,30 +315,39 @@ TEST_CASE("prefill attention across dtypes, GQA 1/4/8, head_dim 64/128/256, quer
   HISPARSE_REQUIRE_GPU();
   const std::uint64_t seed = test::fresh_seed();
   INFO("seed " << seed);
-  for (const int group : {1, 4, 8})
-    for (const int dim : {64, 128, 256})
-      for (const int m : {16, 48, 64}) {
-        if (group == 8 && dim != 128) continue;
-        INFO("group " << group << ", head_dim " << dim << ", query tile " << m);
-        const SparseAttentionConfig small{128, 256, 32, 4, 6, m};
-        const auto p = test::make_problem<bf16>({2 * group, 2, dim}, small, {33, 1000, 9001}, seed + group * dim + m);
-        check_prefill(p, run_prefill(p, {33, 150, 100}, seed + 7), true, 5);
-        const auto h = test::make_problem<__half>({2 * group, 2, dim}, small, {700, 4001}, seed + group * dim + m + 1);
-        check_prefill(h, run_prefill(h, {130, 100}, seed + 8), true, 5);
-      }
+  for (const auto kernel : kernels_here())
+    for (const int group : {1, 4, 8})
+      for (const int dim : {64, 128, 256})
+        for (const int m : {16, 48, 64}) {
+          if (group == 8 && dim != 128) continue;
+          if (kernel == attention::prefill_kernel::hopper && dim == 256) continue;
+          INFO("kernel " << static_cast<int>(kernel) << ", group " << group << ", head_dim " << dim << ", query tile "
+                         << m);
+          const SparseAttentionConfig small{128, 256, 32, 4, 6, m};
+          run_options how;
+          how.kernel = kernel;
+          const auto p = test::make_problem<bf16>({2 * group, 2, dim}, small, {33, 1000, 9001}, seed + group * dim + m);
+          check_prefill(p, run_prefill(p, {33, 150, 100}, seed + 7, how), true, 5);
+          const auto h = test::make_problem<__half>({2 * group, 2, dim}, small, {700, 4001}, seed + group * dim + m + 1);
+          check_prefill(h, run_prefill(h, {130, 100}, seed + 8, how), true, 5);
+        }
 }
 
 TEST_CASE("dense prefill attention is causal attention over every key", "[gpu][prefill][attention]") {
   HISPARSE_REQUIRE_GPU();
   const std::uint64_t seed = test::fresh_seed();
   INFO("seed " << seed);
-  for (const int dim : {64, 128}) {
-    INFO("head_dim " << dim);
-    const auto p = test::make_problem<bf16>({8, 2, dim}, SparseAttentionConfig{}, {100, 3001, 9000}, seed + dim);
-    check_prefill(p, run_prefill(p, {100, 300, 129}, seed + 1, {false, {}}), false, 11);
-    const auto h = test::make_problem<__half>({8, 2, dim}, SparseAttentionConfig{}, {777}, seed + dim + 1);
-    check_prefill(h, run_prefill(h, {777}, seed + 2, {false, {}}), false, 11);
-  }
+  for (const auto kernel : kernels_here())
+    for (const int dim : {64, 128}) {
+      INFO("kernel " << static_cast<int>(kernel) << ", head_dim " << dim);
+      run_options how;
+      how.sparse = false;
+      how.kernel = kernel;
+      const auto p = test::make_problem<bf16>({8, 2, dim}, SparseAttentionConfig{}, {100, 3001, 9000}, seed + dim);
+      check_prefill(p, run_prefill(p, {100, 300, 129}, seed + 1, how), false, 11);
+      const auto h = test::make_problem<__half>({8, 2, dim}, SparseAttentionConfig{}, {777}, seed + dim + 1);
+      check_prefill(h, run_prefill(h, {777}, seed + 2, how), false, 11);
+    }
 }
 
 TEST_CASE("prefill attention with P rounded once meets FlashAttention's rule", "[gpu][prefill][attention]") {
@@ -334,26 +356,38 @@ TEST_CASE("prefill attention with P rounded once meets FlashAttention's rule", "
   INFO("seed " << seed);
   constexpr auto kRounded = attention::pv_precision::rounded;
   const auto p = test::make_problem<bf16>({32, 8, 128}, SparseAttentionConfig{}, {300, 20000}, seed);
-  check_prefill(p, run_prefill<bf16, kRounded>(p, {300, 200}, seed + 1), true, 7, true);
-  check_prefill(p, run_prefill<bf16, kRounded>(p, {300, 130}, seed + 2, {false, {}}), false, 13, true);
   const auto h = test::make_problem<__half>({8, 2, 64}, SparseAttentionConfig{}, {3000}, seed + 3);
-  check_prefill(h, run_prefill<__half, kRounded>(h, {200}, seed + 4), true, 7, true);
+  for (const auto kernel : kernels_here()) {
+    INFO("kernel " << static_cast<int>(kernel));
+    run_options how;
+    how.kernel = kernel;
+    check_prefill(p, run_prefill<bf16, kRounded>(p, {300, 200}, seed + 1, how), true, 7, true);
+    check_prefill(h, run_prefill<__half, kRounded>(h, {200}, seed + 4, how), true, 7, true);
+    how.sparse = false;
+    check_prefill(p, run_prefill<bf16, kRounded>(p, {300, 130}, seed + 2, how), false, 13, true);
+  }
 }
 
 TEST_CASE("one or two query heads a CTA give the same bits", "[gpu][prefill][attention]") {
   HISPARSE_REQUIRE_GPU();
   const std::uint64_t seed = test::fresh_seed();
   INFO("seed " << seed);
-  for (const int dim : {64, 128}) {
-    const auto p = test::make_problem<bf16>({8, 2, dim}, SparseAttentionConfig{}, {9000}, seed + dim);
-    for (const bool sparse : {true, false}) {
-      INFO("head_dim " << dim << (sparse ? ", sparse" : ", dense"));
-      const auto one = run_prefill(p, {300}, seed + 1, {sparse, {}, 1});
-      const auto two = run_prefill(p, {300}, seed + 1, {sparse, {}, 2});
-      REQUIRE(one.lse == two.lse);
-      for (std::size_t i = 0; i < one.out.size(); ++i) REQUIRE(to_float(one.out[i]) == to_float(two.out[i]));
+  for (const auto kernel : kernels_here())
+    for (const int dim : {64, 128}) {
+      const auto p = test::make_problem<bf16>({8, 2, dim}, SparseAttentionConfig{}, {9000}, seed + dim);
+      for (const bool sparse : {true, false}) {
+        INFO("kernel " << static_cast<int>(kernel) << ", head_dim " << dim << (sparse ? ", sparse" : ", dense"));
+        run_options how;
+        how.sparse = sparse;
+        how.kernel = kernel;
+        how.heads_per_cta = 1;
+        const auto one = run_prefill(p, {300}, seed + 1, how);
+        how.heads_per_cta = 2;
+        const auto two = run_prefill(p, {300}, seed + 1, how);
+        REQUIRE(one.lse == two.lse);
+        for (std::size_t i = 0; i < one.out.size(); ++i) REQUIRE(to_float(one.out[i]) == to_float(two.out[i]));
+      }
     }
-  }
 }
 
 TEST_CASE("the composed prefill and the operator give the stages' bits, from a graph too",

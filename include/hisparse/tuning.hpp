@@ -84,6 +84,12 @@ HISPARSE_HOST_DEVICE constexpr int attention_warps_per_sm(int head_dim) { return
 /// (FlashAttention-2's forward shape; not swept yet: PERF_NOTES: prefill
 /// attention).
 inline constexpr tile_policy kPrefillTile{64, 64, 4, 2};
+/// The Hopper kernel's tile: 64 queries a head (one wgmma M, a warpgroup),
+/// 128-key K/V tiles (S on m64n128k16: 2/3 the shared-memory operand bytes
+/// per product of n64), 2 stages: 161 KB at head_dim 128 with two heads a
+/// CTA, one CTA an SM; 3 stages (225 KB) and FlashAttention-3's in-warpgroup
+/// overlap both measured slower (PERF_NOTES: prefill attention).
+inline constexpr tile_policy kPrefillTileSm90{64, 128, 4, 2};
 /// CTAs an SM the prefill kernel is compiled for (its register budget):
 /// three at head_dim 64 with one m16 tile a warp (four spilled), else two
 /// (255 registers; two tiles at head_dim 128 spill 48-84 B, still 15% faster

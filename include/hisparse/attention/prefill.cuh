@@ -1,23 +1,27 @@
 #pragma once
 // Prefill attention over a paged KV cache (DESIGN.md section 1, step 6, for
-// query tiles of M positions), in two modes that share one kernel:
+// query tiles of M positions), in two modes:
 //  * sparse: the query at p attends the kept slices of its tile and KV head
 //    (select/prefill_selection.cuh) followed by the window [ws, p];
 //  * dense: every key [0, p] -- the in-library causal baseline.
 // One CTA per query tile and one or two query heads of a KV head (two where
-// the GQA group pairs them: every K and V fragment a warp loads then feeds
-// both heads' products). Its warps take 16 query rows of each head (the
-// tile's M <= 16 x warps positions) and stream the tile's key rows -- the
-// kept slices, then the window up to the tile's last query -- through a
-// ring of Tile.block_kv-row K and V tiles filled by cp.async, Tile.stages
-// deep. Per K/V tile and warp, FlashAttention-2's step on the tensor cores
-// (mma.m16n8k16, fp32 accumulation): S = Q K^T, the causal mask on the
-// tiles that reach the warp's first query, an online softmax in exp2, and
-// O = O corr + P V with S's accumulators as P's A operand (pv_precision: P
-// split in two halves, or rounded once). A kept slice is one page, so a K
-// or V tile is a run of whole-row 16-byte copies. The grid runs the last
-// tile first, so the longest causal rows start first, and a tile's query
-// heads side by side, so the GQA group's K/V loads meet in L2.
+// the GQA group pairs them, so every K and V tile it loads feeds both
+// heads). The CTA streams the tile's key rows -- the kept slices, then the
+// window up to the tile's last query -- through a ring of K and V tiles
+// filled by cp.async (a kept slice is one page: whole-row 16-byte copies),
+// and per tile takes FlashAttention-2's step with fp32 accumulation: S =
+// Q K^T, the causal mask on the tiles that reach past a warp's first query,
+// an online softmax in exp2, O = O corr + P V with S's accumulators as P's
+// A operand (pv_precision: P split in two halves, or rounded once). Two
+// kernels share that loop (prefill_kernel):
+//  * Hopper (sm_90a): a warpgroup a head, wgmma with Q, K and V read from
+//    shared memory in the 128-byte swizzle and P from registers, 128-key
+//    tiles (tuning::kPrefillTileSm90);
+//  * portable (sm_80+): 16 query rows a warp, mma.sync m16n8k16 fed by
+//    ldmatrix, the tile policy's block_kv-key tiles.
+// The grid runs the last tile first, so the longest causal rows start
+// first, and a tile's query heads side by side, so the GQA group's K/V
+// loads meet in L2.
 
 #include <algorithm>
 #include <cmath>
@@ -56,6 +60,18 @@ enum class pv_precision {
   rounded,
 };
 
+/// Which kernel runs a prefill attention.
+enum class prefill_kernel {
+  /// The Hopper kernel where it can run (an sm_90 device, a build for
+  /// sm_90a, head_dim 64 or 128), else the portable one.
+  automatic,
+  /// mma.sync (sm_80+), any head_dim and tile policy.
+  portable,
+  /// wgmma (sm_90a), tile tuning::kPrefillTileSm90; an error where it
+  /// cannot run.
+  hopper,
+};
+
 /// One prefill attention over the segments of a prefill selection (the same
 /// segments, laid out by select::layout_prefill_segments). Sparse when
 /// `top_k_fine` > 0: the kept slices of the selection of each (tile, KV
@@ -79,6 +95,7 @@ struct prefill_attention_arguments {
   /// Query heads a CTA takes: 0 the library's choice (two where the group
   /// pairs them and head_dim <= 128), 1 or 2 to force it (2 needs both).
   int heads_per_cta = 0;
+  prefill_kernel kernel = prefill_kernel::automatic;
   T* out = nullptr;                           ///< [total queries][num_q_heads][head_dim]
   float* lse = nullptr;                       ///< optional [total queries][num_q_heads], natural log
 
@@ -124,47 +141,35 @@ using ptx::mma_16816;
 using ptx::pack2;
 using ptx::smem_address;
 
-/// Grid: x = (tile, group of MTiles query heads of one KV head) pairs, the
-/// last tile's first. A CTA's rows are its heads' queries, head after head
-/// (block_q = 16 x Warps rows each); warp w takes rows [16 MTiles w,
-/// 16 MTiles (w + 1)), MTiles m16 tiles that share every K and V fragment
-/// it loads. Dynamic shared memory: the Q rows, then the ring, `stages` x
-/// (K tile | V tile) of BlockKv rows; 16-byte chunk c of row r at c ^ (r & 7),
-/// so ldmatrix reads are free of bank conflicts.
-template <class T, int D, int Warps, int BlockKv, int MaxStages, int MTiles, bool SplitP>
-__global__ void __launch_bounds__(Warps * 32, tuning::prefill_attention_ctas_per_sm(D, MTiles))
-    prefill_attention_kernel(const __grid_constant__ prefill_attention_params<T> p) {
-  constexpr int kThreads = Warps * 32;
-  constexpr int kBlockQ = Warps * kPrefillWarpRows;  // query positions per head
-  constexpr int kRows = MTiles * kBlockQ;           // Q rows of the CTA: MTiles heads
-  constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte chunk
-  constexpr int kChunks = D / kVec;
-  constexpr int kRowBytes = D * static_cast<int>(sizeof(T));
-  constexpr int kQBytes = kRows * kRowBytes;
-  constexpr int kTileBytes = BlockKv * kRowBytes;
-  constexpr int kRowsPerPass = kThreads / kChunks;
-  constexpr int kPasses = BlockKv / kRowsPerPass;
-  constexpr int kQPasses = kRows / kRowsPerPass;
-  constexpr int kKSteps = D / 16;       // k-steps of Q K^T
-  constexpr int kSTiles = BlockKv / 8;  // n-tiles of S
-  constexpr int kOTiles = D / 8;        // n-tiles of O
-  static_assert(kChunks >= 8 && kThreads % kChunks == 0 && BlockKv % kRowsPerPass == 0 && kRows % kRowsPerPass == 0,
-                "a row is at least 8 chunks (the swizzle) and a pass covers whole rows");
-  static_assert(BlockKv % 16 == 0, "P V takes the tile's keys 16 at a time");
-  const float kNegInf = -__int_as_float(0x7f800000);
-  const float kNaN = __int_as_float(0x7fffffff);
+/// What one CTA attends: query heads hq0 .. hq0 + Heads - 1 (of KV head h)
+/// at the positions p0 .. p_last of one query tile, over the tile's key
+/// rows: n_kept kept slices, then the window [ws, p_last]. Key row g is
+/// causal-visible to the query at p0 + q when g <= visible0 + q.
+struct prefill_cta_task {
+  int hq0, h, p0, q_rows, p_last;
+  std::int64_t q_row0;     ///< the query row of position p0
+  std::int64_t seq_layer;  ///< the cache's (sequence, layer) row
+  std::int32_t ws;
+  const std::int32_t* kept;
+  int n_kept, kept_rows, total_rows, visible0;
+};
 
-  extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ const T* pages[kPrefillPageRing];
-
+/// The task of this CTA (grid x: (tile, group of Heads query heads of one
+/// KV head) pairs, the last tile's first). False where its inputs cannot be
+/// attended: a chunk off a tile boundary, a cache short of the queries' own
+/// keys, a kept count or slice the selection cannot have written; then the
+/// CTA has written the task's rows NaN (never a silent drop or a read past
+/// the cache). Every thread of the CTA calls it.
+template <class T, int D, int Heads, int Threads>
+__device__ __forceinline__ bool prefill_cta_begin(const prefill_attention_params<T>& p, prefill_cta_task& w) {
   const auto& a = p.a;
   const auto& c = a.cache;
   const int Hq = a.num_q_heads, M = a.query_tile, F = c.fine_slice;
-  const int head_groups = Hq / MTiles;
+  const int head_groups = Hq / Heads;
   const std::int64_t pair = std::int64_t{a.num_tiles} * head_groups - 1 - blockIdx.x;
-  const int tile = static_cast<int>(pair / head_groups), hq0 = static_cast<int>(pair % head_groups) * MTiles;
-  const int h = hq0 / p.group;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tile = static_cast<int>(pair / head_groups);
+  w.hq0 = static_cast<int>(pair % head_groups) * Heads;
+  w.h = w.hq0 / p.group;
 
   // The segment holding the tile: the last with tile_offset <= tile.
   int lo = 0, hi = a.num_segments - 1;
@@ -174,97 +179,227 @@ __global__ void __launch_bounds__(Warps * 32, tuning::prefill_attention_ctas_per
     else hi = mid - 1;
   }
   const select::prefill_segment seg = a.segments[lo];
-  const int p0 = (seg.q_begin / M + (tile - seg.tile_offset)) * M;  // the tile's first position
-  const int q_rows = min(M, seg.q_begin + seg.num_queries - p0);    // its queries present
-  const int p_last = p0 + q_rows - 1;
-  const std::int64_t q_row0 = std::int64_t{seg.query_offset} + (p0 - seg.q_begin);  // row of position p0
-  const std::int64_t seq_layer = c.seq_layer(seg.slot, a.layer);
-  const std::int32_t len = c.lengths[seq_layer];
-  const std::int32_t ws = a.sparse() ? contract::window_begin(p0, a.window, F) : 0;
-  const std::int64_t at = std::int64_t{tile} * c.kv_heads + h;
-  const std::int32_t* kept = a.sparse() ? a.kept_slices + at * a.top_k_fine : nullptr;
-  const int n_kept = a.sparse() ? a.num_slices[at] : 0;
+  w.p0 = (seg.q_begin / M + (tile - seg.tile_offset)) * M;
+  w.q_rows = min(M, seg.q_begin + seg.num_queries - w.p0);
+  w.p_last = w.p0 + w.q_rows - 1;
+  w.q_row0 = std::int64_t{seg.query_offset} + (w.p0 - seg.q_begin);
+  w.seq_layer = c.seq_layer(seg.slot, a.layer);
+  const std::int32_t len = c.lengths[w.seq_layer];
+  w.ws = a.sparse() ? contract::window_begin(w.p0, a.window, F) : 0;
+  const std::int64_t at = std::int64_t{tile} * c.kv_heads + w.h;
+  w.kept = a.sparse() ? a.kept_slices + at * a.top_k_fine : nullptr;
+  w.n_kept = a.sparse() ? a.num_slices[at] : 0;
+  w.kept_rows = w.n_kept * F;
+  w.total_rows = w.kept_rows + (w.p_last + 1 - w.ws);
+  w.visible0 = w.p0 - w.ws + w.kept_rows;
 
-  // A chunk off a tile boundary, a cache short of the queries' own keys, a
-  // kept count or slice the selection cannot have written: NaN, never a
-  // silent drop or a read past the cache.
-  bool bad = seg.q_begin % M != 0 || q_rows < 1 || len < p_last + 1 || n_kept < 0 || n_kept > a.top_k_fine;
+  bool bad = seg.q_begin % M != 0 || w.q_rows < 1 || len < w.p_last + 1 || w.n_kept < 0 || w.n_kept > a.top_k_fine;
   if (!bad)
-    for (int i = threadIdx.x; i < n_kept; i += kThreads) bad |= kept[i] < 0 || kept[i] >= ws / F;
-  if (__syncthreads_or(bad)) {
-    const int r_lo = max(0, seg.q_begin - p0);  // a segment off a boundary starts inside its first tile
-    for (int i = r_lo * MTiles * D + threadIdx.x; i < q_rows * MTiles * D; i += kThreads) {
-      const std::int64_t row = (q_row0 + i / (MTiles * D)) * Hq + hq0 + i / D % MTiles;
-      a.out[row * D + i % D] = from_float<T>(kNaN);
-      if (a.lse != nullptr && i % D == 0) a.lse[row] = kNaN;
-    }
-    return;
+    for (int i = threadIdx.x; i < w.n_kept; i += Threads) bad |= w.kept[i] < 0 || w.kept[i] >= w.ws / F;
+  if (!__syncthreads_or(bad)) return true;
+  const float kNaN = __int_as_float(0x7fffffff);
+  const int r_lo = max(0, seg.q_begin - w.p0);  // a segment off a boundary starts inside its first tile
+  for (int i = r_lo * Heads * D + threadIdx.x; i < w.q_rows * Heads * D; i += Threads) {
+    const std::int64_t row = (w.q_row0 + i / (Heads * D)) * Hq + w.hq0 + i / D % Heads;
+    a.out[row * D + i % D] = from_float<T>(kNaN);
+    if (a.lse != nullptr && i % D == 0) a.lse[row] = kNaN;
+  }
+  return false;
+}
+
+/// Streams a task's query and key rows into shared memory by cp.async,
+/// Threads threads together. Key row g is item g / F (kept item i < n_kept
+/// is slice kept[i], window item i is slice ws / F + i - n_kept) at row
+/// g % F of its page; the page pointers pass through a ring in shared
+/// memory, refilled CTA-wide. A tile of R rows is stored in one of two
+/// layouts, each with 16-byte chunk c of a 128-byte row segment at chunk
+/// c ^ (r % 8) (no bank conflicts for ldmatrix, wgmma's 128-byte swizzle):
+/// whole rows one after another (ldmatrix), or D / 64 column blocks of R
+/// 128-byte rows (wgmma's canonical layout; the same where D = 64).
+template <class T, int D, int Threads, bool ColumnBlocks>
+struct prefill_loader {
+  static constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte chunk
+  static constexpr int kChunks = D / kVec;
+  static constexpr int kRowBytes = D * static_cast<int>(sizeof(T));
+  static constexpr int kRowsPerPass = Threads / kChunks;
+  static_assert(kChunks >= 8 && Threads % kChunks == 0, "a row is at least 8 chunks (the swizzle), a pass whole rows");
+
+  /// Byte offset of chunk c of row r in a tile of R rows.
+  template <int R>
+  static __device__ __forceinline__ unsigned offset(int r, int c) {
+    const int swizzled = (c & ~7) | ((c ^ r) & 7);
+    if constexpr (ColumnBlocks) return static_cast<unsigned>((swizzled >> 3) * R * 128 + r * 128 + ((swizzled & 7) << 4));
+    return static_cast<unsigned>(r * kRowBytes + (swizzled << 4));
   }
 
-  // The tile's key rows: n_kept whole slices, then the window [ws, p_last];
-  // row g is item g / F (kept item i < n_kept is slice kept[i], window item
-  // i is slice ws / F + i - n_kept) at row g % F of its page.
-  const int kept_rows = n_kept * F;
-  const int total_rows = kept_rows + (p_last + 1 - ws);
-  const int tiles = (total_rows + BlockKv - 1) / BlockKv;
-  const int first_window = ws / F;
-  // Key row g is causal-visible to the query at p0 + q when g <= visible0 + q.
-  const int visible0 = p0 - ws + kept_rows;
-  const int f_shift = (F & (F - 1)) == 0 ? __ffs(F) - 1 : -1;
-  const std::int64_t head_tile = c.head_tile_elems();
-  const std::int64_t v_offset = c.value_offset();
+  const prefill_cta_task& w;
+  const kv::paged_kv_ref<T>& cache;
+  const T** pages;  ///< the ring, kPrefillPageRing entries of shared memory
+  int chunk = threadIdx.x % kChunks, row_in_pass = threadIdx.x / kChunks;
+  int page_base = 0, page_end = 0;
+
+  /// The Q rows of Heads heads, RowsPerHead positions each (BlockQ-row
+  /// tiles one after another); rows past the tile's queries are zero.
+  template <int Heads, int RowsPerHead>
+  __device__ __forceinline__ void load_queries(const T* queries, int num_q_heads, unsigned dst) const {
+    static_assert((Heads * RowsPerHead) % kRowsPerPass == 0);
+#pragma unroll
+    for (int pass = 0; pass < Heads * RowsPerHead / kRowsPerPass; ++pass) {
+      const int r = row_in_pass + pass * kRowsPerPass, q = r % RowsPerHead;
+      const bool live = q < w.q_rows;
+      const T* src = queries + ((w.q_row0 + (live ? q : 0)) * num_q_heads + w.hq0 + r / RowsPerHead) * D + chunk * kVec;
+      cp_async_16(dst + static_cast<unsigned>(r / RowsPerHead * RowsPerHead * kRowBytes) + offset<RowsPerHead>(q, chunk),
+                  src, live ? 16 : 0);
+    }
+  }
+
+  /// Issues the task's key rows [t BlockKv, (t + 1) BlockKv): their keys
+  /// as a tile at kdst and their values at vdst; rows past the task's are
+  /// zero (and masked). Uniform across the CTA (it may refill the page ring).
+  template <int BlockKv>
+  __device__ __forceinline__ void load_kv(int t, unsigned kdst, unsigned vdst, const void* zero_src) {
+    static_assert(BlockKv % kRowsPerPass == 0);
+    const int F = cache.fine_slice;
+    const int row0 = t * BlockKv;
+    const int first = row0 / F, last = (min(w.total_rows, row0 + BlockKv) - 1) / F;
+    if (first < page_base || last >= page_end) fill_pages(first);
+    const int f_shift = (F & (F - 1)) == 0 ? __ffs(F) - 1 : -1;
+    const std::int64_t head = w.h * cache.head_tile_elems(), v_offset = cache.value_offset();
+#pragma unroll
+    for (int pass = 0; pass < BlockKv / kRowsPerPass; ++pass) {
+      const int r = row_in_pass + pass * kRowsPerPass;
+      const int g = row0 + r;
+      const unsigned off = offset<BlockKv>(r, chunk);
+      const bool live = g < w.total_rows;
+      const T* src = static_cast<const T*>(zero_src);
+      if (live) {
+        const int item = f_shift >= 0 ? g >> f_shift : g / F;
+        src = pages[item - page_base] + head + std::int64_t{g - item * F} * D + chunk * kVec;
+      }
+      cp_async_16(kdst + off, src, live ? 16 : 0);
+      cp_async_16(vdst + off, live ? src + v_offset : src, live ? 16 : 0);
+    }
+  }
+
+ private:
+  __device__ __forceinline__ void fill_pages(int first) {
+    __syncthreads();  // nobody still reads the old pointers
+    const int F = cache.fine_slice;
+    const int items = w.n_kept + (w.p_last / F - w.ws / F + 1);
+    page_base = first;
+    page_end = min(items, first + kPrefillPageRing);
+    for (int i = threadIdx.x; i < page_end - page_base; i += Threads) {
+      const int item = page_base + i;
+      pages[i] = cache.page(w.seq_layer, item < w.n_kept ? w.kept[item] : w.ws / F + item - w.n_kept);
+    }
+    __syncthreads();
+  }
+};
+
+/// One query row's online softmax over a tile of scores, FlashAttention-2's
+/// step in exp2: s (the row's scores this lane holds, N of them, masked ones
+/// -inf) becomes the weights exp2(s scale - m), m and this lane's sum l move
+/// on, and the returned factor rescales the row's output. The row's four
+/// lanes (lane ^ 1, lane ^ 2) agree on its max.
+template <int N, int Stride>
+__device__ __forceinline__ float prefill_softmax_step(float* s, float& m, float& l, float scale_log2) {
+  const float kNegInf = -__int_as_float(0x7f800000);
+  float mx = kNegInf;
+#pragma unroll
+  for (int n = 0; n < N; ++n) mx = fmaxf(mx, fmaxf(s[n * Stride], s[n * Stride + 1]));
+  mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
+  const float m_new = fmaxf(m, mx * scale_log2);
+  const float m_use = m_new == kNegInf ? 0.0f : m_new;  // every key masked so far: all weights 0
+  const float corr = exp2f(m - m_use);
+  m = m_new;
+  float sum = 0.0f;
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    s[n * Stride] = exp2f(fmaf(s[n * Stride], scale_log2, -m_use));
+    s[n * Stride + 1] = exp2f(fmaf(s[n * Stride + 1], scale_log2, -m_use));
+    sum += s[n * Stride] + s[n * Stride + 1];
+  }
+  l = fmaf(l, corr, sum);
+  return corr;
+}
+
+/// P's m16n8k16 A operand for keys [16 j, 16 j + 16) of a lane's two rows
+/// from the scores' accumulator layout (x: keys 16 j.., y: keys 16 j + 8..,
+/// four values each): rounded once, or (SplitP) hi truncated and lo its
+/// rounded residual, so P keeps ~16 bits, not 8 (bf16).
+template <class T, bool SplitP>
+__device__ __forceinline__ void prefill_p_operand(const float* x, const float* y, unsigned (&hi)[4], unsigned (&lo)[4]) {
+  if constexpr (SplitP) {
+    hi[0] = ptx::pack2_rz<T>(x[0], x[1]);
+    hi[1] = ptx::pack2_rz<T>(x[2], x[3]);
+    hi[2] = ptx::pack2_rz<T>(y[0], y[1]);
+    hi[3] = ptx::pack2_rz<T>(y[2], y[3]);
+    lo[0] = ptx::pack2_residual<T>(x[0], x[1], hi[0]);
+    lo[1] = ptx::pack2_residual<T>(x[2], x[3], hi[1]);
+    lo[2] = ptx::pack2_residual<T>(y[0], y[1], hi[2]);
+    lo[3] = ptx::pack2_residual<T>(y[2], y[3], hi[3]);
+  } else {
+    hi[0] = pack2<T>(x[0], x[1]);
+    hi[1] = pack2<T>(x[2], x[3]);
+    hi[2] = pack2<T>(y[0], y[1]);
+    hi[3] = pack2<T>(y[2], y[3]);
+  }
+}
+
+/// A query row's sum over its four lanes (lane ^ 1, lane ^ 2).
+__device__ __forceinline__ float prefill_row_sum(float l) {
+  l += __shfl_xor_sync(0xFFFFFFFFu, l, 1);
+  return l + __shfl_xor_sync(0xFFFFFFFFu, l, 2);
+}
+
+/// Writes a lane's part of one output row: out = O / l (o: D / 8 pairs,
+/// Stride apart, dims 8 n + qc and + 1), and from the lane holding dim 0
+/// lse = (m + log2 l) ln 2. l is the row's whole sum.
+template <class T, int D, int Stride>
+__device__ __forceinline__ void prefill_store_row(const prefill_attention_arguments<T>& a, std::int64_t row,
+                                                  const float* o, float m, float l, int qc) {
+  const float inv = 1.0f / l;
+  auto* dst = reinterpret_cast<unsigned*>(a.out + row * D + qc);
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) dst[4 * n] = pack2<T>(o[n * Stride] * inv, o[n * Stride + 1] * inv);
+  if (a.lse != nullptr && qc == 0) a.lse[row] = (m + log2f(l)) * kPrefillLn2;
+}
+
+/// The portable kernel (mma.sync, sm_80+). A CTA's rows are its heads'
+/// queries, head after head (block_q = 16 x Warps rows each); warp w takes
+/// rows [16 MTiles w, 16 MTiles (w + 1)), MTiles m16 tiles that share every
+/// K and V fragment it loads. Dynamic shared memory: the Q rows, then the
+/// ring, `stages` x (K tile | V tile) of BlockKv whole rows.
+template <class T, int D, int Warps, int BlockKv, int MaxStages, int MTiles, bool SplitP>
+__global__ void __launch_bounds__(Warps * 32, tuning::prefill_attention_ctas_per_sm(D, MTiles))
+    prefill_attention_kernel(const __grid_constant__ prefill_attention_params<T> p) {
+  constexpr int kThreads = Warps * 32;
+  constexpr int kBlockQ = Warps * kPrefillWarpRows;  // query positions per head
+  constexpr int kRows = MTiles * kBlockQ;           // Q rows of the CTA: MTiles heads
+  constexpr int kRowBytes = D * static_cast<int>(sizeof(T));
+  constexpr int kQBytes = kRows * kRowBytes;
+  constexpr int kTileBytes = BlockKv * kRowBytes;
+  constexpr int kKSteps = D / 16;       // k-steps of Q K^T
+  constexpr int kSTiles = BlockKv / 8;  // n-tiles of S
+  constexpr int kOTiles = D / 8;        // n-tiles of O
+  static_assert(BlockKv % 16 == 0, "P V takes the tile's keys 16 at a time");
+  using loader_t = prefill_loader<T, D, kThreads, false>;
+  const float kNegInf = -__int_as_float(0x7f800000);
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ const T* pages[kPrefillPageRing];
+
+  const auto& a = p.a;
+  prefill_cta_task w;
+  if (!prefill_cta_begin<T, D, MTiles, kThreads>(p, w)) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tiles = (w.total_rows + BlockKv - 1) / BlockKv;
   const unsigned smem_base = smem_address(smem);
   const unsigned ring_base = smem_base + kQBytes;
   const int stages = p.stages;
-
-  int page_base = 0, page_end = 0;
-  auto fill_pages = [&](int first) {  // uniform across the CTA
-    __syncthreads();  // nobody still reads the old pointers
-    const int items = n_kept + (p_last / F - first_window + 1);
-    page_base = first;
-    page_end = min(items, first + kPrefillPageRing);
-    for (int i = threadIdx.x; i < page_end - page_base; i += kThreads) {
-      const int item = page_base + i;
-      pages[i] = c.page(seq_layer, item < n_kept ? kept[item] : first_window + item - n_kept);
-    }
-    __syncthreads();
-  };
-
-  const int chunk = threadIdx.x % kChunks, row_in_pass = threadIdx.x / kChunks;
-  // Q: this thread's chunk of kQPasses rows (row r: head hq0 + r / kBlockQ,
-  // position p0 + r % kBlockQ); rows past the tile's queries are zero.
-#pragma unroll
-  for (int pass = 0; pass < kQPasses; ++pass) {
-    const int r = row_in_pass + pass * kRowsPerPass;
-    const unsigned dst = smem_base + static_cast<unsigned>(r * kRowBytes + ((chunk ^ (r & 7)) << 4));
-    const int q = r % kBlockQ;
-    const bool live = q < q_rows;
-    const T* src = a.queries + ((q_row0 + (live ? q : 0)) * Hq + hq0 + r / kBlockQ) * D + chunk * kVec;
-    cp_async_16(dst, src, live ? 16 : 0);
-  }
-  // Issues K/V tile t into ring stage `stage`; rows past the tile's key rows
-  // are zero-filled (and masked).
-  auto issue = [&](int t, int stage) {
-    const int row0 = t * BlockKv;
-    const int first = row0 / F, last = (min(total_rows, row0 + BlockKv) - 1) / F;
-    if (first < page_base || last >= page_end) fill_pages(first);  // uniform across the CTA
-    const unsigned kdst = ring_base + static_cast<unsigned>(stage * 2 * kTileBytes);
-#pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-      const int r = row_in_pass + pass * kRowsPerPass;
-      const int g = row0 + r;
-      const unsigned off = static_cast<unsigned>(r * kRowBytes + ((chunk ^ (r & 7)) << 4));
-      if (g < total_rows) {
-        const int item = f_shift >= 0 ? g >> f_shift : g / F;
-        const T* src = pages[item - page_base] + h * head_tile + std::int64_t{g - item * F} * D + chunk * kVec;
-        cp_async_16(kdst + off, src, 16);
-        cp_async_16(kdst + kTileBytes + off, src + v_offset, 16);
-      } else {
-        cp_async_16(kdst + off, a.queries, 0);
-        cp_async_16(kdst + kTileBytes + off, a.queries, 0);
-      }
-    }
-  };
+  loader_t load{w, a.cache, pages};
+  load.template load_queries<MTiles, kBlockQ>(a.queries, a.num_q_heads, smem_base);
 
   // Per lane and m-tile i: rows 16 (MTiles warp + i) + lane / 4 and + 8 of
   // the CTA, key columns 8n + qc (+1) of S, output dims 8n + qc (+1).
@@ -276,9 +411,9 @@ __global__ void __launch_bounds__(Warps * 32, tuning::prefill_attention_ctas_per
 #pragma unroll
   for (int i = 0; i < MTiles; ++i) {
     const int q = (16 * (MTiles * warp + i)) % kBlockQ;
-    live[i] = q < q_rows;
-    vis[i][0] = visible0 + q + qr;
-    vis[i][1] = visible0 + q + qr + 8;
+    live[i] = q < w.q_rows;
+    vis[i][0] = w.visible0 + q + qr;
+    vis[i][1] = w.visible0 + q + qr + 8;
     m[i][0] = m[i][1] = kNegInf;
     l[i][0] = l[i][1] = 0.0f;
 #pragma unroll
@@ -305,7 +440,10 @@ __global__ void __launch_bounds__(Warps * 32, tuning::prefill_attention_ctas_per
     }
     if (t >= tiles) break;
     const int next = t + stages - 1;
-    if (next < tiles) issue(next, next % stages);
+    if (next < tiles) {
+      const unsigned dst = ring_base + static_cast<unsigned>((next % stages) * 2 * kTileBytes);
+      load.template load_kv<BlockKv>(next, dst, dst + kTileBytes, a.queries);
+    }
     cp_async_commit();
     if (t < 0) continue;
     if (stages == 1) {
@@ -351,62 +489,23 @@ __global__ void __launch_bounds__(Warps * 32, tuning::prefill_attention_ctas_per
           for (int e = 0; e < 4; ++e)
             if (row0 + 8 * n + qc + (e & 1) > vis[i][e >> 1]) s[i][n][e] = kNegInf;
     }
-    // Online softmax per query row (two a lane and m-tile; a row's four
-    // lanes agree on its max).
 #pragma unroll
-    for (int i = 0; i < MTiles; ++i) {
+    for (int i = 0; i < MTiles; ++i)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        float mx = kNegInf;
-#pragma unroll
-        for (int n = 0; n < kSTiles; ++n) mx = fmaxf(mx, fmaxf(s[i][n][2 * half], s[i][n][2 * half + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
-        const float m_new = fmaxf(m[i][half], mx * p.scale_log2);
-        const float m_use = m_new == kNegInf ? 0.0f : m_new;  // every key masked so far: all weights 0
-        const float corr = exp2f(m[i][half] - m_use);
-        m[i][half] = m_new;
-        float sum = 0.0f;
-#pragma unroll
-        for (int n = 0; n < kSTiles; ++n) {
-          s[i][n][2 * half] = exp2f(fmaf(s[i][n][2 * half], p.scale_log2, -m_use));
-          s[i][n][2 * half + 1] = exp2f(fmaf(s[i][n][2 * half + 1], p.scale_log2, -m_use));
-          sum += s[i][n][2 * half] + s[i][n][2 * half + 1];
-        }
-        l[i][half] = fmaf(l[i][half], corr, sum);
+        const float corr = prefill_softmax_step<kSTiles, 4>(&s[i][0][2 * half], m[i][half], l[i][half], p.scale_log2);
 #pragma unroll
         for (int n = 0; n < kOTiles; ++n) {
           o[i][n][2 * half] *= corr;
           o[i][n][2 * half + 1] *= corr;
         }
       }
-    }
     // O += P V, 16 keys a k-step: S's accumulator layout is P's A operand.
-    // SplitP: P = hi + lo (hi truncated, lo its rounded residual, >= 0), two
-    // products per V fragment, so P keeps ~16 bits, not 8 (bf16).
 #pragma unroll
     for (int j = 0; j < BlockKv / 16; ++j) {
-      unsigned pa[MTiles][SplitP ? 2 : 1][4];
+      unsigned pa[MTiles][2][4];
 #pragma unroll
-      for (int i = 0; i < MTiles; ++i) {
-        const float(&x)[4] = s[i][2 * j];
-        const float(&y)[4] = s[i][2 * j + 1];
-        if constexpr (SplitP) {
-          pa[i][0][0] = ptx::pack2_rz<T>(x[0], x[1]);
-          pa[i][0][1] = ptx::pack2_rz<T>(x[2], x[3]);
-          pa[i][0][2] = ptx::pack2_rz<T>(y[0], y[1]);
-          pa[i][0][3] = ptx::pack2_rz<T>(y[2], y[3]);
-          pa[i][1][0] = ptx::pack2_residual<T>(x[0], x[1], pa[i][0][0]);
-          pa[i][1][1] = ptx::pack2_residual<T>(x[2], x[3], pa[i][0][1]);
-          pa[i][1][2] = ptx::pack2_residual<T>(y[0], y[1], pa[i][0][2]);
-          pa[i][1][3] = ptx::pack2_residual<T>(y[2], y[3], pa[i][0][3]);
-        } else {
-          pa[i][0][0] = pack2<T>(x[0], x[1]);
-          pa[i][0][1] = pack2<T>(x[2], x[3]);
-          pa[i][0][2] = pack2<T>(y[0], y[1]);
-          pa[i][0][3] = pack2<T>(y[2], y[3]);
-        }
-      }
+      for (int i = 0; i < MTiles; ++i) prefill_p_operand<T, SplitP>(s[i][2 * j], s[i][2 * j + 1], pa[i][0], pa[i][1]);
 #pragma unroll
       for (int n2 = 0; n2 < kOTiles / 2; ++n2) {
         unsigned bv[4];
@@ -423,26 +522,149 @@ __global__ void __launch_bounds__(Warps * 32, tuning::prefill_attention_ctas_per
     }
   }
   cp_async_wait<0>();
-  // out = O / l per row; lse = (m + log2 l) ln 2.
 #pragma unroll
   for (int i = 0; i < MTiles; ++i) {
     if (!live[i]) continue;
     const int r0 = 16 * (MTiles * warp + i);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float sum = l[i][half];
-      sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
-      sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
+      const float sum = prefill_row_sum(l[i][half]);
       const int q = (r0 + qr + 8 * half) % kBlockQ;
-      if (q >= q_rows) continue;
-      const std::int64_t row = (q_row0 + q) * Hq + hq0 + r0 / kBlockQ;
-      const float inv = 1.0f / sum;
-      auto* dst = reinterpret_cast<unsigned*>(a.out + row * D + qc);
-#pragma unroll
-      for (int n = 0; n < kOTiles; ++n) dst[4 * n] = pack2<T>(o[i][n][2 * half] * inv, o[i][n][2 * half + 1] * inv);
-      if (a.lse != nullptr && qc == 0) a.lse[row] = (m[i][half] + log2f(sum)) * kPrefillLn2;
+      if (q < w.q_rows)
+        prefill_store_row<T, D, 4>(a, (w.q_row0 + q) * a.num_q_heads + w.hq0 + r0 / kBlockQ, &o[i][0][2 * half],
+                                   m[i][half], sum, qc);
     }
   }
+}
+
+/// The Hopper kernel (wgmma, sm_90a). One warpgroup a query head: the
+/// tile's 64 positions are one wgmma M (warp w of the group holds rows
+/// 16 w ..), and a CTA's Heads heads share every K/V tile. Per tile of
+/// BlockKv keys: S = Q K^T by wgmma from shared memory (Q and K K-major),
+/// the causal mask and the online softmax in registers, then O += P V with
+/// P from registers (the accumulators' layout is the A operand's, as with
+/// mma.sync) and V MN-major from shared memory. Shared memory, 1024-byte
+/// aligned: the Q tiles of the heads, then the ring, Stages x (K | V); every
+/// tile as D / 64 column blocks of 128-byte swizzled rows (prefill_loader).
+template <class T, int D, int BlockKv, int Stages, int Heads, bool SplitP>
+__global__ void __launch_bounds__(Heads * 128, 1)
+    prefill_attention_sm90_kernel(const __grid_constant__ prefill_attention_params<T> p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(sizeof(T) == 2 && (D == 64 || D == 128) && (BlockKv == 64 || BlockKv == 128) && Stages >= 2,
+                "wgmma m64nNk16 with N = BlockKv for S and N = D for O, a 2-byte type, a ring of 2+ tiles");
+  constexpr int kThreads = Heads * 128;
+  constexpr int kBlockQ = 64;
+  constexpr int kRowBytes = D * 2;
+  constexpr int kQBytes = kBlockQ * kRowBytes;  // one head's Q tile
+  constexpr int kTileBytes = BlockKv * kRowBytes;
+  using loader_t = prefill_loader<T, D, kThreads, true>;
+  const float kNegInf = -__int_as_float(0x7f800000);
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ const T* pages[kPrefillPageRing];
+
+  const auto& a = p.a;
+  prefill_cta_task w;
+  if (!prefill_cta_begin<T, D, Heads, kThreads>(p, w)) return;
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, head = threadIdx.x >> 7;
+  const int tiles = (w.total_rows + BlockKv - 1) / BlockKv;
+  const unsigned smem_base = (smem_address(smem) + 1023u) & ~1023u;  // the swizzle's atoms
+  const unsigned ring_base = smem_base + Heads * kQBytes;
+  const unsigned q_tile = smem_base + head * kQBytes;
+  loader_t load{w, a.cache, pages};
+  load.template load_queries<Heads, kBlockQ>(a.queries, a.num_q_heads, smem_base);
+
+  // This lane's query rows of its head: q0 = 16 warp + lane / 4 and q0 + 8;
+  // key columns (output dims) 8 n + qc and + 1 of accumulator 4 n + e.
+  const int qr = lane >> 2, qc = (lane & 3) * 2;
+  const int q0 = 16 * warp + qr;
+  const int vis[2] = {w.visible0 + q0, w.visible0 + q0 + 8};  // the last key row each row sees
+  float m[2] = {kNegInf, kNegInf}, l[2] = {0.0f, 0.0f};
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+
+  for (int t = 1 - Stages;; ++t) {
+    if (t >= 0) {
+      cp_async_wait<Stages - 2>();
+      ptx::fence_proxy_async_shared();  // the copies, to wgmma's proxy
+      __syncthreads();
+    }
+    if (t >= tiles) break;
+    const int next = t + Stages - 1;
+    if (next < tiles) {
+      const unsigned dst = ring_base + static_cast<unsigned>((next % Stages) * 2 * kTileBytes);
+      load.template load_kv<BlockKv>(next, dst, dst + kTileBytes, a.queries);
+    }
+    cp_async_commit();
+    if (t < 0) continue;
+    const unsigned k_tile = ring_base + static_cast<unsigned>((t % Stages) * 2 * kTileBytes);
+    const unsigned v_tile = k_tile + kTileBytes;
+
+    // S = Q K^T: 16 dims a k-step, four a 128-byte column block.
+    float s[BlockKv / 2];
+#pragma unroll
+    for (int i = 0; i < BlockKv / 2; ++i) ptx::fence_operand(s[i]);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) {
+      const unsigned block = static_cast<unsigned>(k >> 2), within = static_cast<unsigned>((k & 3) * 32);
+      ptx::wgmma_ss<T, BlockKv>(s, ptx::smem_desc_sw128(q_tile + block * kBlockQ * 128 + within, 16, 1024),
+                                ptx::smem_desc_sw128(k_tile + block * BlockKv * 128 + within, 16, 1024), k > 0);
+    }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < BlockKv / 2; ++i) ptx::fence_operand(s[i]);
+
+    // The causal mask, on the tiles that reach past the warp's first row's
+    // visible keys (the last one or two of the window).
+    const int row0 = t * BlockKv;
+    if (row0 + BlockKv - 1 > vis[0] - qr) {
+#pragma unroll
+      for (int n = 0; n < BlockKv / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (row0 + 8 * n + qc + (e & 1) > vis[e >> 1]) s[4 * n + e] = kNegInf;
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float corr = prefill_softmax_step<BlockKv / 8, 4>(&s[2 * half], m[half], l[half], p.scale_log2);
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        o[4 * n + 2 * half] *= corr;
+        o[4 * n + 2 * half + 1] *= corr;
+      }
+    }
+    // O += P V, 16 keys a k-step (two 8-row groups of the V tile).
+    unsigned pa[BlockKv / 16][2][4];
+#pragma unroll
+    for (int j = 0; j < BlockKv / 16; ++j) prefill_p_operand<T, SplitP>(&s[8 * j], &s[8 * j + 4], pa[j][0], pa[j][1]);
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) ptx::fence_operand(o[i]);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < BlockKv / 16; ++j) {
+      const auto v = ptx::smem_desc_sw128(v_tile + static_cast<unsigned>(j * 16 * 128), BlockKv * 128, 1024);
+#pragma unroll
+      for (int part = 0; part < (SplitP ? 2 : 1); ++part) ptx::wgmma_rs<T, D>(o, pa[j][part], v, true);
+    }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) ptx::fence_operand(o[i]);
+  }
+  cp_async_wait<0>();
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float sum = prefill_row_sum(l[half]);
+    const int q = q0 + 8 * half;
+    if (q < w.q_rows)
+      prefill_store_row<T, D, 4>(a, (w.q_row0 + q) * a.num_q_heads + w.hq0 + head, &o[2 * half], m[half], sum, qc);
+  }
+#else
+  __trap();  // launched only where the loaded build targets sm_90a (built_for_sm90a)
+#endif
 }
 
 template <class T, int D, tile_policy Tile, int MTiles, pv_precision P>
@@ -462,6 +684,33 @@ status launch_prefill_attention(const prefill_attention_params<T>& p, int smem_b
 /// spill), else one.
 [[nodiscard]] inline int prefill_heads_per_cta(int group, int head_dim) {
   return group % 2 == 0 && head_dim <= 128 ? 2 : 1;
+}
+
+template <class T, int D, int Heads, pv_precision P>
+status launch_prefill_attention_sm90(const prefill_attention_params<T>& p, int smem_bytes, cudaStream_t stream) {
+  constexpr tile_policy kTile = tuning::kPrefillTileSm90;
+  constexpr auto kernel =
+      &prefill_attention_sm90_kernel<T, D, kTile.block_kv, kTile.stages, Heads, P == pv_precision::split>;
+  HISPARSE_TRY(hisparse::detail::raise_dynamic_smem<kernel>(smem_bytes));
+  const std::int64_t ctas = std::int64_t{p.a.num_tiles} * (p.a.num_q_heads / Heads);
+  kernel<<<static_cast<unsigned>(ctas), Heads * 128, static_cast<std::size_t>(smem_bytes), stream>>>(p);
+  HISPARSE_CUDA_TRY(cudaGetLastError());
+  return status::success;
+}
+
+/// The Hopper kernel's dynamic shared memory: Q and the ring as
+/// prefill_smem_bytes, and up to 1023 bytes to align them to the swizzle.
+HISPARSE_HOST_DEVICE constexpr int prefill_sm90_smem_bytes(int heads, int head_dim) {
+  return prefill_smem_bytes(tuning::kPrefillTileSm90, heads, tuning::kPrefillTileSm90.stages, head_dim, 2) + 1024;
+}
+
+/// Whether the Hopper kernel runs `a` on this device with `heads` heads a CTA.
+template <class T>
+[[nodiscard]] bool prefill_sm90_runs(const prefill_attention_arguments<T>& a, int heads, const gpu_limits& gpu) {
+  return sizeof(T) == 2 && (a.cache.head_dim == 64 || a.cache.head_dim == 128) && gpu.cc_major == 9 &&
+         prefill_sm90_smem_bytes(heads, a.cache.head_dim) + static_cast<int>(kPrefillPageRing * sizeof(void*)) <=
+             gpu.smem_per_block &&
+         hisparse::detail::built_for_sm90a();
 }
 
 }  // namespace detail
@@ -520,14 +769,29 @@ template <class T, tile_policy Tile = kPrefillTile, pv_precision P = pv_precisio
   HISPARSE_TRY(current_gpu_limits(gpu));
   const int heads =
       a.heads_per_cta > 0 ? a.heads_per_cta : detail::prefill_heads_per_cta(a.num_q_heads / a.cache.kv_heads, a.cache.head_dim);
-  const int stages = prefill_attention_stages<T, Tile>(heads, a.cache.head_dim, gpu);
-  const int smem = detail::prefill_smem_bytes(Tile, heads, stages, a.cache.head_dim, static_cast<int>(sizeof(T)));
   detail::prefill_attention_params<T> p{};
   p.a = a;
   p.group = a.num_q_heads / a.cache.kv_heads;
-  p.stages = stages;
   const float scale = a.softmax_scale > 0.0f ? a.softmax_scale : 1.0f / std::sqrt(static_cast<float>(a.cache.head_dim));
   p.scale_log2 = scale * detail::kPrefillLog2e;
+  if (a.kernel != prefill_kernel::portable && detail::prefill_sm90_runs(a, heads, gpu)) {
+    p.stages = tuning::kPrefillTileSm90.stages;
+    const int smem = detail::prefill_sm90_smem_bytes(heads, a.cache.head_dim);
+    if constexpr (sizeof(T) == 2) {
+      if (a.cache.head_dim == 64)
+        return heads == 2 ? detail::launch_prefill_attention_sm90<T, 64, 2, P>(p, smem, stream)
+                          : detail::launch_prefill_attention_sm90<T, 64, 1, P>(p, smem, stream);
+      return heads == 2 ? detail::launch_prefill_attention_sm90<T, 128, 2, P>(p, smem, stream)
+                        : detail::launch_prefill_attention_sm90<T, 128, 1, P>(p, smem, stream);
+    }
+  }
+  if (a.kernel == prefill_kernel::hopper)
+    return fail(status::invalid_argument,
+                "prefill attention: the Hopper kernel needs an sm_90 device, a build for sm_90a, a 2-byte type and "
+                "head_dim 64 or 128");
+  const int stages = prefill_attention_stages<T, Tile>(heads, a.cache.head_dim, gpu);
+  const int smem = detail::prefill_smem_bytes(Tile, heads, stages, a.cache.head_dim, static_cast<int>(sizeof(T)));
+  p.stages = stages;
   return dispatch_head_dim(a.cache.head_dim, [&](auto d) {
     if constexpr (d() <= 128) {
       if (heads == 2) return detail::launch_prefill_attention<T, d(), Tile, 2, P>(p, smem, stream);
