@@ -9,11 +9,16 @@
 //    8192^3, the dense tensor-core rate the attention's FLOPs are held to.
 // Each counts the FLOPs it attends: 4 D per (query, query head, key) (2 D
 // for Q K^T, 2 D for P V). Axes from the command line (bench_main.hpp):
-// --context.
+// --context. With HISPARSE_DUMP_KEPT=DIR the sparse run writes its kept
+// slices there (kept_T.i32: [tiles][kv_heads][top_k_fine], num_T.i32:
+// [tiles][kv_heads]) for scripts/flex_prefill.py, which times FlexAttention
+// on the same mask.
 #include <benchmark/benchmark.h>
 
 #include <cublas_v2.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -34,11 +39,12 @@ constexpr int kQHeads = 32, kKvHeads = 8, kDim = 128;
 using bench::device_array;
 
 /// How a run attends: sparse or dense, P split or rounded, heads per CTA
-/// (0: the library's choice).
+/// (0: the library's choice), which kernel.
 struct variant {
   bool sparse = true;
   bool rounded_p = false;
   int heads_per_cta = 0;
+  attention::prefill_kernel kernel = attention::prefill_kernel::automatic;
 };
 
 void prefill(benchmark::State& state, std::int32_t context, variant v) {
@@ -89,6 +95,7 @@ void prefill(benchmark::State& state, std::int32_t context, variant v) {
     a.window = cfg.window;
   }
   a.heads_per_cta = v.heads_per_cta;
+  a.kernel = v.kernel;
   a.out = d_out.ptr;
   a.lse = d_lse.ptr;
   const select::prefill_selection_output sel{kept.ptr, num.ptr, window.ptr};
@@ -140,6 +147,20 @@ void prefill(benchmark::State& state, std::int32_t context, variant v) {
   state.counters["attended_keys_per_query"] = keys / (static_cast<double>(context) * kQHeads);
   state.counters["attention_TFLOPs"] = flops / bench::median(attend_s) * 1e-12;
   for (auto& e : ev) HISPARSE_CUDA_CHECK(cudaEventDestroy(e));
+  if (const char* dir = std::getenv("HISPARSE_DUMP_KEPT"); dir != nullptr && sparse && !v.rounded_p &&
+      v.heads_per_cta == 0 && v.kernel == attention::prefill_kernel::automatic) {
+    auto dump = [&](const char* name, const device_array<std::int32_t>& d, std::size_t n) {
+      std::vector<std::int32_t> h(n);
+      HISPARSE_CUDA_CHECK(cudaMemcpy(h.data(), d.ptr, n * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
+      const std::string path = std::string(dir) + "/" + name + "_" + std::to_string(context) + ".i32";
+      std::FILE* f = std::fopen(path.c_str(), "wb");
+      if (f == nullptr || std::fwrite(h.data(), sizeof(std::int32_t), n, f) != n)
+        throw error(status::invalid_argument, "cannot write " + path);
+      std::fclose(f);
+    };
+    dump("kept", kept, static_cast<std::size_t>(tiles) * kKvHeads * cfg.top_k_fine);
+    dump("num", num, static_cast<std::size_t>(tiles) * kKvHeads);
+  }
 }
 
 /// cuBLAS bf16 GEMM, fp32 accumulation, n^3: the in-run dense tensor-core rate.
@@ -175,7 +196,8 @@ void BM_tensor_core_peak(benchmark::State& state) {
 
 /// BM_prefill/mode:M/T:t for every context of the sweep, and the kernel's
 /// variants at each: P rounded once (pv:rounded), one query head per CTA
-/// (heads:1).
+/// (heads:1), the portable mma.sync kernel where `automatic` picks the
+/// Hopper one (kernel:portable, also with pv:rounded).
 void register_prefill(const bench::sweep& axes) {
   auto add = [](const std::string& id, std::int64_t t, variant v) {
     benchmark::RegisterBenchmark(id.c_str(), [=](benchmark::State& state) {
@@ -186,9 +208,12 @@ void register_prefill(const bench::sweep& axes) {
     for (const bool sparse : {true, false}) {
       const std::string mode = std::string("mode:") + (sparse ? "sparse" : "dense");
       const std::string at = "/T:" + std::to_string(t);
+      constexpr auto kPortable = attention::prefill_kernel::portable;
       add("BM_prefill/" + mode + at, t, {sparse, false, 0});
       add("BM_prefill_variant/" + mode + "/pv:rounded" + at, t, {sparse, true, 0});
       add("BM_prefill_variant/" + mode + "/heads:1" + at, t, {sparse, false, 1});
+      add("BM_prefill_variant/" + mode + "/kernel:portable" + at, t, {sparse, false, 0, kPortable});
+      add("BM_prefill_variant/" + mode + "/kernel:portable/pv:rounded" + at, t, {sparse, true, 0, kPortable});
     }
 }
 
