@@ -85,8 +85,8 @@ HISPARSE_HOST_DEVICE constexpr int attention_warps_per_sm(int head_dim) { return
 /// attention).
 inline constexpr tile_policy kPrefillTile{64, 64, 4, 2};
 /// The Hopper kernel's tile: 64 queries a head (one wgmma M, a warpgroup),
-/// 128-key K/V tiles (S on m64n128k16: 2/3 the shared-memory operand bytes
-/// per product of n64), 2 stages: 161 KB at head_dim 128 with two heads a
+/// 128-key K/V tiles (S on m64n128k16: 3/4 the shared-memory operand bytes
+/// per FLOP of n64), 2 stages: 161 KB at head_dim 128 with two heads a
 /// CTA, one CTA an SM; 3 stages (225 KB) and FlashAttention-3's in-warpgroup
 /// overlap both measured slower (PERF_NOTES: prefill attention).
 inline constexpr tile_policy kPrefillTileSm90{64, 128, 4, 2};
