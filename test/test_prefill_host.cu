@@ -112,6 +112,9 @@ TEST_CASE("select_prefill_async rejects bad input before touching the device", "
           "top_k_coarse");
   rejects([](args& b, SparseAttentionConfig&, outs&) { b.num_q_heads = 12; }, status::invalid_argument,
           "num_q_heads");
+  // A valid config the GPU selection cannot run yet: said, not ignored.
+  rejects([](args&, SparseAttentionConfig& c, outs&) { c.coarse_summary = coarse_summary::key_bounds; },
+          status::unsupported, "coarse_summary key_bounds is not built on the GPU");
 }
 
 /// The tensor-core kernels' query layout against the mma.m16n8k8 (tf32) A

@@ -197,6 +197,43 @@ TEST_CASE("key bounds: outward bf16 words, the bound score, and the slice it kee
   CHECK(pre.tiles[0].slices[0].kept == std::vector<std::int32_t>{2});
 }
 
+TEST_CASE("coarse key bounds keep the block a mean dilutes, and match brute force", "[reference]") {
+  // The keys of the test above: slice 2 of block 0 at 0.25, slice 10 of
+  // block 1 one key at 2 and 15 at -1/15. One block kept: means keep block
+  // 0, bounds block 1 (bound 2 against 0.25 in every dimension).
+  SparseAttentionConfig c{64, 128, 16, 1, 1, 8};
+  const attention_shape shape{2, 1, 64};
+  random_sequence<float> s(shape, 700, 699, 1, 5);  // ws = 624: 39 far slices, 5 blocks
+  for (auto& x : s.queries) x = 1.0f;
+  for (std::int64_t t = 0; t < 624; ++t)
+    for (int d = 0; d < 64; ++d)
+      s.key(t, 0, d) = t / 16 == 2 ? 0.25f : t / 16 == 10 ? (t == 160 ? 2.0f : -1.0f / 15.0f) : 0.0f;
+  CHECK(reference::decode(c, shape, s.view()).tiles[0].blocks[0].kept == std::vector<std::int32_t>{0});
+  c.coarse_summary = coarse_summary::key_bounds;
+  const auto r = reference::decode(c, shape, s.view());
+  CHECK(r.tiles[0].blocks[0].kept == std::vector<std::int32_t>{1});
+  CHECK(r.tiles[0].blocks[0].kept_scores[0] == 2.0 * 64 * 2.0);  // summed query 2, bound 2, 64 dimensions
+  CHECK(r.tiles[0].slices[0].kept == std::vector<std::int32_t>{10});  // the fine filter still scores means
+  // A block's bounds are its far slices' bounds together.
+  const auto slices = reference::slice_key_bounds(s.view().keys, c, 624);
+  const auto block = reference::block_key_bounds(slices, 8, 16, 1, 0, 64);
+  CHECK(block[2 * 7] == key_bounds_lo(key_bounds_word(-1.0f / 15.0f, 0.0f)));
+  CHECK(block[2 * 7 + 1] == 2.0);
+
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  SparseAttentionConfig small = small_config();
+  small.coarse_summary = coarse_summary::key_bounds;
+  const attention_shape random_shape{4, 2, 64};
+  for (const std::int64_t len : {700, 1031, 2049}) {
+    INFO("length " << len);
+    random_sequence<double> d(random_shape, len, len - 1, 1, seed + len);
+    check_against_brute_force(d, small, reference::decode(small, random_shape, d.view()), 1);
+  }
+  random_sequence<double> p(random_shape, 900, 800, 100, seed);
+  check_against_brute_force(p, small, reference::prefill(small, random_shape, p.view()), small.query_tile);
+}
+
 TEST_CASE("prefill matches brute force with max-over-tile pooling", "[reference]") {
   const std::uint64_t seed = fresh_seed();
   INFO("seed " << seed);

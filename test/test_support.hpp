@@ -127,9 +127,39 @@ std::pair<std::vector<int>, std::vector<int>> brute_select(const random_sequence
     std::sort(kept.begin(), kept.end());
     return kept;
   };
+  // coarse_summary key_bounds: per dimension the range of [a, b)'s keys,
+  // bf16 rounded outward, scored by the group-summed query's upper bound.
+  auto bound_of_range = [&](std::int64_t a, std::int64_t b) {
+    std::vector<double> lo(static_cast<std::size_t>(dim)), hi(static_cast<std::size_t>(dim));
+    for (int d = 0; d < dim; ++d) {
+      float mn = std::numeric_limits<float>::infinity(), mx = -mn;
+      for (std::int64_t t = a; t < b; ++t) {
+        const float k = to_float(s.keys[static_cast<std::size_t>((t * s.shape.num_kv_heads + h) * dim + d)]);
+        mn = std::min(mn, k), mx = std::max(mx, k);
+      }
+      const std::uint32_t w = key_bounds_word(mn, mx);
+      lo[static_cast<std::size_t>(d)] = key_bounds_lo(w), hi[static_cast<std::size_t>(d)] = key_bounds_hi(w);
+    }
+    double best = -std::numeric_limits<double>::infinity();
+    for (std::int64_t p = p0; p < p1; ++p) {
+      double total = 0;
+      for (int d = 0; d < dim; ++d) {
+        double q = 0;
+        for (int g = 0; g < group; ++g)
+          q += to_double(s.queries[static_cast<std::size_t>(((p - s.q_begin) * s.shape.num_q_heads + h * group + g) * dim + d)]);
+        total += q * (q >= 0 ? hi[static_cast<std::size_t>(d)] : lo[static_cast<std::size_t>(d)]);
+      }
+      best = std::max(best, total);
+    }
+    return best;
+  };
   std::vector<std::pair<double, int>> blocks;
-  for (std::int64_t b = 0; b * c.coarse_block < ws; ++b)
-    blocks.push_back({score_of_range(b * c.coarse_block, std::min<std::int64_t>((b + 1) * c.coarse_block, ws)), static_cast<int>(b)});
+  for (std::int64_t b = 0; b * c.coarse_block < ws; ++b) {
+    const std::int64_t end = std::min<std::int64_t>((b + 1) * c.coarse_block, ws);
+    blocks.push_back({c.coarse_summary == coarse_summary::key_bounds ? bound_of_range(b * c.coarse_block, end)
+                                                                      : score_of_range(b * c.coarse_block, end),
+                      static_cast<int>(b)});
+  }
   const auto kept_blocks = top(blocks, c.top_k_coarse);
   std::vector<std::pair<double, int>> slices;
   for (const int b : kept_blocks)

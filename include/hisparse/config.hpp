@@ -52,6 +52,7 @@ enum class config_error : std::uint8_t {
   fine_candidates_must_not_exceed_kMaxCandidates,
   query_tile_must_be_in_1_to_kMaxQueryTile,
   fine_summary_must_be_mean_mean_bf16_or_key_bounds,
+  coarse_summary_must_be_mean_or_key_bounds,
   num_q_heads_must_be_in_1_to_kMaxHeads,
   num_kv_heads_must_be_in_1_to_kMaxHeads,
   num_q_heads_must_be_a_multiple_of_num_kv_heads,
@@ -89,6 +90,8 @@ struct config_error_info {
       return {"query_tile", "must be in [1, 64] (the queries one prefill CTA holds)"};
     case config_error::fine_summary_must_be_mean_mean_bf16_or_key_bounds:
       return {"fine_summary", "must be mean, mean_bf16 or key_bounds"};
+    case config_error::coarse_summary_must_be_mean_or_key_bounds:
+      return {"coarse_summary", "must be mean or key_bounds"};
     case config_error::num_q_heads_must_be_in_1_to_kMaxHeads:
       return {"num_q_heads", "must be in [1, 1024]"};
     case config_error::num_kv_heads_must_be_in_1_to_kMaxHeads:
@@ -131,6 +134,27 @@ enum class fine_summary : std::uint8_t { mean = 0, mean_bf16 = 1, key_bounds = 2
   return "?";
 }
 
+/// What the coarse filter scores a candidate block by (DESIGN.md section 1,
+/// step 4).
+///  * mean: (sum_g q_g) . the mean of the block's far keys: the contract.
+///  * key_bounds: fine_summary::key_bounds' upper bound over the block's far
+///    keys' range in each dimension (the range of its far slices' ranges):
+///    one strong key is not diluted 1024-fold, as it is in a block mean.
+///    The reference only for now; the GPU selections reject it.
+enum class coarse_summary : std::uint8_t { mean = 0, key_bounds = 1 };
+
+[[nodiscard]] constexpr bool is_valid(coarse_summary s) noexcept {
+  return s == coarse_summary::mean || s == coarse_summary::key_bounds;
+}
+
+[[nodiscard]] constexpr std::string_view name_of(coarse_summary s) noexcept {
+  switch (s) {
+    case coarse_summary::mean: return "mean";
+    case coarse_summary::key_bounds: return "key_bounds";
+  }
+  return "?";
+}
+
 /// Hierarchical sparse attention, as DESIGN.md section 1 defines it. The
 /// defaults are the field's: a 512-token window, 1024-token blocks of which
 /// 32 are kept, 64-token slices of which 16 are kept (about 1.5K tokens per
@@ -144,6 +168,8 @@ struct SparseAttentionConfig {
   int query_tile = 64;      ///< M: prefill queries sharing one selection (decode uses 1)
   /// What the decode fine filter scores slices by (above).
   hisparse::fine_summary fine_summary = hisparse::fine_summary::mean;
+  /// What the coarse filter scores blocks by (above).
+  hisparse::coarse_summary coarse_summary = hisparse::coarse_summary::mean;
 
   [[nodiscard]] constexpr config_error validate() const noexcept {
     if (window < 1 || window > kMaxWindow) return config_error::window_must_be_in_1_to_kMaxWindow;
@@ -162,6 +188,7 @@ struct SparseAttentionConfig {
       return config_error::query_tile_must_be_in_1_to_kMaxQueryTile;
     if (!is_valid(fine_summary))
       return config_error::fine_summary_must_be_mean_mean_bf16_or_key_bounds;
+    if (!is_valid(coarse_summary)) return config_error::coarse_summary_must_be_mean_or_key_bounds;
     return config_error::none;
   }
 
@@ -208,7 +235,8 @@ inline std::string field_values(const SparseAttentionConfig& c) {
          " top_k_coarse=" + std::to_string(c.top_k_coarse) +
          " top_k_fine=" + std::to_string(c.top_k_fine) +
          " query_tile=" + std::to_string(c.query_tile) +
-         " fine_summary=" + std::string(name_of(c.fine_summary));
+         " fine_summary=" + std::string(name_of(c.fine_summary)) +
+         " coarse_summary=" + std::string(name_of(c.coarse_summary));
 }
 inline std::string field_values(const attention_shape& s) {
   return "num_q_heads=" + std::to_string(s.num_q_heads) +

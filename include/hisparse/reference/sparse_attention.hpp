@@ -279,11 +279,34 @@ template <class T>
   return s;
 }
 
+/// The key bounds of a block's far slices [s0, s1) of KV head h, from
+/// slice_key_bounds' rows: each dimension's (lo, hi) over the slices' (NaN
+/// where any is NaN). What a `coarse_summary::key_bounds` coarse filter
+/// scores (with key_bounds_score).
+[[nodiscard]] inline std::vector<double> block_key_bounds(const std::vector<double>& slice_bounds, std::int64_t s0,
+                                                          std::int64_t s1, int hkv, int h, int dim) {
+  std::vector<double> b(static_cast<std::size_t>(2 * dim));
+  for (int d = 0; d < dim; ++d) {
+    double lo = std::numeric_limits<double>::infinity(), hi = -lo;
+    for (std::int64_t sl = s0; sl < s1; ++sl) {
+      const double* r = &slice_bounds[static_cast<std::size_t>(((sl * hkv + h) * dim + d) * 2)];
+      if (std::isnan(r[0]) || std::isnan(lo)) {
+        lo = hi = std::numeric_limits<double>::quiet_NaN();
+      } else {
+        lo = std::min(lo, r[0]), hi = std::max(hi, r[1]);
+      }
+    }
+    b[static_cast<std::size_t>(2 * d)] = lo, b[static_cast<std::size_t>(2 * d + 1)] = hi;
+  }
+  return b;
+}
+
 /// Hierarchical sparse attention of `seq`'s queries, in query tiles of
 /// `query_tile` positions (1 for decode). `fine` is what step 5 scores:
 /// fp32 means (DESIGN.md section 1; prefill always), or a decode config's
 /// fine_summary (mean_bf16: slice_means; key_bounds: slice_key_bounds,
-/// key_bounds_score).
+/// key_bounds_score). Step 4 scores the config's coarse_summary (block
+/// means, or block_key_bounds).
 /// Throws hisparse::error on bad input.
 template <class T>
 [[nodiscard]] result sparse_attention(const SparseAttentionConfig& c, const attention_shape& s,
@@ -303,8 +326,10 @@ template <class T>
                                              : std::vector<double>{};
   const std::vector<double>& fine_means = fine == fine_summary::mean_bf16 ? bf16_means : smeans;
   const bool bounds = fine == fine_summary::key_bounds;
-  const std::vector<double> fine_bounds =
-      bounds ? slice_key_bounds(seq.keys, c, window_begin(last_tile, c)) : std::vector<double>{};
+  const bool coarse_bounds = c.coarse_summary == coarse_summary::key_bounds;
+  const std::vector<double> fine_bounds = bounds || coarse_bounds
+                                              ? slice_key_bounds(seq.keys, c, window_begin(last_tile, c))
+                                              : std::vector<double>{};
   const int spb = c.slices_per_block();
 
   result r;
@@ -360,12 +385,17 @@ template <class T>
       std::vector<double> summary(dim);
       for (std::int64_t b = 0; b < blocks; ++b) {
         const std::int64_t s0 = b * spb, s1 = std::min<std::int64_t>((b + 1) * spb, far_slices);
+        bid.push_back(static_cast<std::int32_t>(b));
+        if (coarse_bounds) {
+          const auto range = block_key_bounds(fine_bounds, s0, s1, hkv, h, dim);
+          bscore.push_back(tile_max([&](const double* q) { return key_bounds_score(q, range.data(), dim); }));
+          continue;
+        }
         std::fill(summary.begin(), summary.end(), 0.0);
         for (std::int64_t sl = s0; sl < s1; ++sl)
           for (int d = 0; d < dim; ++d) summary[d] += slice_mean(sl)[d];
         for (int d = 0; d < dim; ++d) summary[d] /= static_cast<double>(s1 - s0);
         bscore.push_back(tile_score(summary.data()));
-        bid.push_back(static_cast<std::int32_t>(b));
       }
       tile.blocks.push_back(select_top_k(bscore, bid, c.top_k_coarse));
 
