@@ -117,6 +117,31 @@ TEST_CASE("select_prefill_async rejects bad input before touching the device", "
           status::unsupported, "coarse_summary key_bounds is not built on the GPU");
 }
 
+TEST_CASE("the decode selection says it cannot run coarse key bounds yet", "[select][errors]") {
+  static float sums[1];
+  static __nv_bfloat16 q[1];
+  static std::int32_t ints[1];
+  select::decode_selection_arguments<__nv_bfloat16> a;
+  a.queries = q;
+  a.slots = ints;
+  a.batch = 1;
+  a.num_q_heads = 32;
+  a.kv_heads = 8;
+  a.head_dim = 128;
+  a.slice_sums = sums;
+  a.block_sums = sums;
+  a.lengths = ints;
+  a.layers = 1;
+  SparseAttentionConfig cfg;
+  a.fine_slice = cfg.fine_slice;
+  a.coarse_block = cfg.coarse_block;
+  a.max_blocks = 256;
+  REQUIRE(select::can_implement_decode_selection(cfg, a) == status::success);
+  cfg.coarse_summary = coarse_summary::key_bounds;
+  CHECK(select::can_implement_decode_selection(cfg, a) == status::unsupported);
+  CHECK_THAT(last_error(), Catch::Contains("coarse_summary key_bounds is not built on the GPU"));
+}
+
 /// The tensor-core kernels' query layout against the mma.m16n8k8 (tf32) A
 /// fragment: lane g * 4 + q4 holds A[g][k], A[g + 8][k], A[g][k + 4],
 /// A[g + 8][k + 4] for k = q4; and the dims it maps to each k must be the
