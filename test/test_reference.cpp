@@ -234,6 +234,28 @@ TEST_CASE("coarse key bounds keep the block a mean dilutes, and match brute forc
   check_against_brute_force(p, small, reference::prefill(small, random_shape, p.view()), small.query_tile);
 }
 
+TEST_CASE("a reused selection attends the cached slices and the window from its start to the query", "[reference]") {
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const SparseAttentionConfig c = small_config();  // W 64, F 16
+  const attention_shape shape{4, 2, 64};
+  random_sequence<double> s(shape, 2001, 2000, 1, seed);  // the selection made at 2000
+  const auto made = reference::decode(c, shape, s.view()).tiles[0];
+  for (const std::int64_t p : {2000, 2001, 2040}) {
+    const auto t = reference::reused_selection(made, p);
+    CHECK(t.begin == p);
+    CHECK(t.end == p + 1);
+    CHECK(t.window_begin == made.window_begin);  // the tokens that left the window stay
+    for (int h = 0; h < shape.num_kv_heads; ++h) {
+      CHECK(t.slices[h].kept == made.slices[h].kept);
+      const auto pos = reference::attended_positions(t, h, p, c);
+      REQUIRE(pos.size() == made.slices[h].kept.size() * 16 + static_cast<std::size_t>(p - made.window_begin + 1));
+      CHECK(pos.back() == p);
+    }
+  }
+  CHECK(made.window_begin < reference::window_begin(2040, c));  // 2040's own window starts later
+}
+
 TEST_CASE("prefill matches brute force with max-over-tile pooling", "[reference]") {
   const std::uint64_t seed = fresh_seed();
   INFO("seed " << seed);

@@ -88,6 +88,44 @@ TEST_CASE("the standard selection recovers the planted structure", "[workload]")
   CHECK(recall <= 1.0 + 1e-9);
 }
 
+TEST_CASE("a drifting stream keeps consecutive queries close and its keys as they were", "[workload]") {
+  workload::synthetic_options o;
+  o.context = 4096;
+  o.shape = {8, 2, 64};
+  o.num_queries = 48;
+  o.seed = 7;
+  const auto apart = workload::make_synthetic_workload<float>(o);
+  o.drift_steps = 16;
+  const auto stream = workload::make_synthetic_workload<float>(o);
+  const auto again = workload::make_synthetic_workload<float>(o);
+  CHECK(stream.keys == apart.keys);  // the keys are drawn before any query
+  CHECK(stream.queries == again.queries);
+  CHECK(stream.queries != apart.queries);
+  // Cosine of query head qh between rows i and i + 1.
+  auto cosine = [&](const workload::synthetic_workload<float>& w, std::int64_t i, int qh) {
+    const int dim = o.shape.head_dim, hq = o.shape.num_q_heads;
+    double dot = 0, a = 0, b = 0;
+    for (int d = 0; d < dim; ++d) {
+      const double x = w.queries[static_cast<std::size_t>((i * hq + qh) * dim + d)];
+      const double y = w.queries[static_cast<std::size_t>(((i + 1) * hq + qh) * dim + d)];
+      dot += x * y, a += x * x, b += y * y;
+    }
+    return dot / std::sqrt(a * b);
+  };
+  double stream_min = 1, apart_mean = 0;
+  for (std::int64_t i = 0; i + 1 < o.num_queries; ++i)
+    for (int qh = 0; qh < o.shape.num_q_heads; ++qh) {
+      stream_min = std::min(stream_min, cosine(stream, i, qh));
+      apart_mean += cosine(apart, i, qh) / static_cast<double>((o.num_queries - 1) * o.shape.num_q_heads);
+    }
+  INFO("stream: least cosine between steps " << stream_min << "; independent queries: mean " << apart_mean);
+  CHECK(stream_min > 0.9);
+  CHECK(apart_mean < stream_min - 0.1);
+  // Needle swaps need a needle to swap in.
+  o.needle_pool = o.needles_per_query;
+  CHECK_THROWS_WITH(workload::make_synthetic_workload<float>(o), Catch::Contains("needle_pool"));
+}
+
 TEST_CASE("bad workload options are rejected", "[workload][errors]") {
   workload::synthetic_options o;
   o.context = 0;
@@ -102,4 +140,7 @@ TEST_CASE("bad workload options are rejected", "[workload][errors]") {
   o = {};
   o.shape = {6, 4, 128};
   CHECK_THROWS_WITH(workload::make_synthetic_workload<float>(o), Catch::Contains("num_q_heads"));
+  o = {};
+  o.drift_steps = -1;
+  CHECK_THROWS_WITH(workload::make_synthetic_workload<float>(o), Catch::Contains("drift_steps"));
 }

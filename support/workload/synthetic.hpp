@@ -16,7 +16,12 @@
 // The recency and needle logit levels are solved from the target mass shares
 // for the given context, so the shares hold at any T. Queries sit at the last
 // `num_queries` positions (decode, or the tail of a prefill), because the
-// recency is anchored at the end of the context.
+// recency is anchored at the end of the context. With `drift_steps` > 0 the
+// queries are a stream of decode steps that drift slowly instead of being
+// drawn apart: per KV head one needle of the two a query attends is swapped
+// for another every `drift_steps` steps, crossfading over those steps, and
+// each query head's noise is an AR(1) series with correlation
+// 1 - 1 / drift_steps from one step to the next.
 //
 // Reproducible: a given seed gives the same tensors on every platform (own
 // generator and normal transform, not <random>'s implementation-defined ones).
@@ -70,6 +75,7 @@ struct synthetic_options {
   int needles_per_query = 2;         ///< spans each query attends
   int needle_span = 32;              ///< tokens per needle span
   double noise = 0.5;                ///< per-coordinate std of key and query noise
+  int drift_steps = 0;               ///< > 0: the queries are a slowly drifting stream (above)
   std::uint64_t seed = 1;
 };
 
@@ -136,6 +142,9 @@ template <class T>
       o.needles_per_query < 0 || o.needles_per_query > o.needle_pool)
     bad("synthetic_options: spans must be positive and needles_per_query <= needle_pool");
   if (o.needle_pool + 1 > o.shape.head_dim) bad("synthetic_options.needle_pool must be < head_dim");
+  if (o.drift_steps < 0) bad("synthetic_options.drift_steps must be >= 0");
+  if (o.drift_steps > 0 && o.needles_per_query > 0 && o.needles_per_query >= o.needle_pool)
+    bad("synthetic_options: a drifting stream needs needle_pool > needles_per_query (a needle to swap in)");
 
   const int hq = o.shape.num_q_heads, hkv = o.shape.num_kv_heads, dim = o.shape.head_dim;
   const int group = o.shape.group_size();
@@ -203,19 +212,49 @@ template <class T>
     }
 
   w.queries.resize(static_cast<std::size_t>(o.num_queries * hq * dim));
-  std::vector<int> picks(o.needle_pool);
+  const bool stream = o.drift_steps > 0;
+  const double rho = stream ? 1.0 - 1.0 / o.drift_steps : 0.0;  // the stream's noise correlation a step
+  std::vector<std::vector<int>> picks(hkv, std::vector<int>(o.needle_pool));
+  std::vector<int> incoming(hkv, 0);  // the stream: the needle fading in for picks[h][0]
+  std::vector<std::vector<double>> noise(static_cast<std::size_t>(hq), std::vector<double>(dim));
+  auto shuffle = [&](std::vector<int>& p) {
+    std::iota(p.begin(), p.end(), 0);
+    for (int j = 0; j < o.needle_pool - 1; ++j) std::swap(p[j], p[j + rng.below(o.needle_pool - j)]);
+  };
   for (std::int64_t i = 0; i < o.num_queries; ++i)
     for (int h = 0; h < hkv; ++h) {
-      // Query-dependent needles: a fresh pick per (query, KV head).
-      std::iota(picks.begin(), picks.end(), 0);
-      for (int j = 0; j < o.needle_pool - 1; ++j)
-        std::swap(picks[j], picks[j + rng.below(o.needle_pool - j)]);
+      // Needle weights: a fresh pick per (query, KV head); in a stream the
+      // same picks, needle picks[0] fading out as `incoming` fades in.
+      double fade = 0.0;
+      if (!stream || i == 0) {
+        shuffle(picks[h]);
+        if (stream && has_needles) incoming[h] = picks[h][o.needles_per_query];
+      } else if (has_needles) {
+        const std::int64_t phase = i % o.drift_steps;
+        if (phase == 0) {  // the swap completes: pick the next one to fade in
+          picks[h][0] = incoming[h];
+          do {
+            incoming[h] = static_cast<int>(rng.below(o.needle_pool));
+          } while (std::find(picks[h].begin(), picks[h].begin() + o.needles_per_query, incoming[h]) !=
+                   picks[h].begin() + o.needles_per_query);
+        }
+        fade = static_cast<double>(phase) / o.drift_steps;
+      }
       for (int g = 0; g < group; ++g) {
+        auto& n = noise[static_cast<std::size_t>(h * group + g)];
+        for (int d = 0; d < dim; ++d)
+          n[d] = stream && i > 0 ? rho * n[d] + std::sqrt(1.0 - rho * rho) * o.noise * rng.normal()
+                                 : o.noise * rng.normal();
         std::vector<double> q(dim);
-        for (int d = 0; d < dim; ++d) q[d] = o.noise * rng.normal() + recent_amp * dirs[h][0][d];
-        if (has_needles)
-          for (int j = 0; j < o.needles_per_query; ++j)
-            for (int d = 0; d < dim; ++d) q[d] += needle_amp * dirs[h][1 + picks[j]][d];
+        for (int d = 0; d < dim; ++d) q[d] = n[d] + recent_amp * dirs[h][0][d];
+        if (has_needles) {
+          for (int j = 0; j < o.needles_per_query; ++j) {
+            const double a = needle_amp * (j == 0 ? 1.0 - fade : 1.0);
+            for (int d = 0; d < dim; ++d) q[d] += a * dirs[h][1 + picks[h][j]][d];
+          }
+          if (fade > 0.0)
+            for (int d = 0; d < dim; ++d) q[d] += needle_amp * fade * dirs[h][1 + incoming[h]][d];
+        }
         const std::size_t base = static_cast<std::size_t>((i * hq + h * group + g) * dim);
         for (int d = 0; d < dim; ++d) w.queries[base + d] = from_float<T>(static_cast<float>(q[d]));
       }

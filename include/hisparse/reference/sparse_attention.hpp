@@ -113,6 +113,18 @@ struct result {
   return pos;
 }
 
+/// A selection reused by a later decode step (a TopK cache hit) for the
+/// query at p: the cached tile's kept slices, and the window from the
+/// cached window's start up to p. The tokens that left the window since the
+/// selection stay attended (the selection never saw them as far tokens), so
+/// a reuse attends everything the fresh step's window would, and more.
+[[nodiscard]] inline tile_selection reused_selection(const tile_selection& cached, std::int64_t p) {
+  tile_selection t = cached;
+  t.begin = p;
+  t.end = p + 1;
+  return t;
+}
+
 /// The k best of `scores` (index i scores scores[i], index id ids[i]): higher
 /// first, NaN below everything, ties to the lower id. Returns kept ids
 /// ascending with their scores, and the best rejected score.
