@@ -31,8 +31,20 @@
 // left out that holds more than ten times the group mass of the least it
 // kept, with the workload's needle tokens in each.
 //
+// --coarse key_bounds scores blocks by their far keys' ranges instead of
+// their means (config.hpp, coarse_summary; the CPU paths only, so far);
+// --needle-span N makes the workload's needles N tokens long (32).
+//
+// --stream STEPS (CPU): a TopK cache study. Request 0 decodes STEPS steps
+// whose queries drift slowly (the workload's drift_steps, --drift N, 16);
+// per step and KV head a refresh rule either selects afresh or reuses its
+// cached selection (reference::reused_selection). Per rule: the share of
+// (step, KV head) pairs that reused, and the mass recall against selecting
+// afresh every step.
+//
 //   hisparse_demo [--contexts 32768,262144] [--batch 8] [--seed N] [--preset standard] [--cpu]
-//                 [--ceiling] [--misses]
+//                 [--ceiling] [--misses] [--coarse mean|key_bounds] [--needle-span N]
+//                 [--stream STEPS [--drift N]]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -64,7 +76,23 @@ struct options {
   bool cpu = false;
   bool ceiling = false;  // the recall ceilings instead of a step
   bool misses = false;   // and the slices the selection missed
+  std::string coarse;    // coarse_summary by name; empty: the preset's
+  int needle_span = 0;   // tokens per needle; 0: the workload's default
+  int stream = 0;        // > 0: the TopK cache study over this many decode steps
+  int drift = 16;        // the stream's drift_steps
 };
+
+/// The workload of one context: its length, the model's shape, the run's
+/// seed and needle span (the caller sets how many queries).
+hisparse::workload::synthetic_options workload_options(const options& opt, const hisparse::attention_shape& shape,
+                                                       std::int64_t ctx) {
+  hisparse::workload::synthetic_options wo;
+  wo.context = ctx;
+  wo.shape = shape;
+  wo.seed = opt.seed + static_cast<std::uint64_t>(ctx);
+  if (opt.needle_span > 0) wo.needle_span = opt.needle_span;
+  return wo;
+}
 
 options parse(int argc, char** argv) {
   options o;
@@ -91,10 +119,18 @@ options parse(int argc, char** argv) {
       o.ceiling = true;
     } else if (arg == "--misses") {
       o.ceiling = o.misses = true;
+    } else if (arg == "--coarse" && has_value) {
+      o.coarse = argv[++i];
+    } else if (arg == "--needle-span" && has_value) {
+      o.needle_span = std::stoi(argv[++i]);
+    } else if (arg == "--stream" && has_value) {
+      o.stream = std::stoi(argv[++i]);
+    } else if (arg == "--drift" && has_value) {
+      o.drift = std::stoi(argv[++i]);
     } else {
       std::fprintf(stderr,
                    "usage: %s [--contexts 8192,32768] [--batch N] [--seed N] [--preset NAME] [--cpu] [--ceiling] "
-                   "[--misses]\n",
+                   "[--misses] [--coarse mean|key_bounds] [--needle-span N] [--stream STEPS [--drift N]]\n",
                    argv[0]);
       std::exit(arg == "--help" ? 0 : 2);
     }
@@ -140,11 +176,7 @@ void run_cpu(const options& opt, const hisparse::SparseAttentionConfig& cfg, con
               "rel. error", "cpu s");
   for (const std::int64_t ctx : opt.contexts) {
     const auto t0 = std::chrono::steady_clock::now();
-    workload::synthetic_options wo;
-    wo.context = ctx;
-    wo.shape = shape;
-    wo.seed = opt.seed + static_cast<std::uint64_t>(ctx);
-    const auto w = workload::make_synthetic_workload<__nv_bfloat16>(wo);
+    const auto w = workload::make_synthetic_workload<__nv_bfloat16>(workload_options(opt, shape, ctx));
     const auto seq = w.sequence();
     const auto sparse = reference::decode(cfg, shape, seq);
     const auto dense = reference::dense_attention(shape, seq);
@@ -297,13 +329,10 @@ void run_gpu(const options& opt, const hisparse::SparseAttentionConfig& cfg, con
   std::vector<prefill_figures> prefills;
   for (const std::int64_t ctx : opt.contexts) {
     const auto t0 = std::chrono::steady_clock::now();
-    workload::synthetic_options wo;
-    wo.context = ctx;
-    wo.shape = shape;
+    auto wo = workload_options(opt, shape, ctx);
     // The decode rows take the first B queries; the prefill's last tile up
     // to query_tile of them (the first B are the same either way).
     wo.num_queries = std::min<std::int64_t>(ctx, std::max(B, cfg.query_tile));
-    wo.seed = opt.seed + static_cast<std::uint64_t>(ctx);
     const auto w = workload::make_synthetic_workload<bf16>(wo);
     const double gen_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
@@ -410,7 +439,7 @@ void run_gpu(const options& opt, const hisparse::SparseAttentionConfig& cfg, con
 }
 
 struct recalls {
-  double selection = 0, slices = 0, tokens = 0;
+  double selection = 0, slices = 0, tokens = 0, window = 0;
   int rows = 0;
 };
 
@@ -484,6 +513,7 @@ void add_request(const hisparse::SparseAttentionConfig& cfg, const hisparse::att
       r.tokens += std::accumulate(sorted.begin(), sorted.begin() + attended, 0.0);
       r.selection += window;
       r.slices += window;
+      r.window += window;
       ++r.rows;
     }
     r.selection += kept_mass;  // summed over the group: its share of each head's average
@@ -494,33 +524,169 @@ void add_request(const hisparse::SparseAttentionConfig& cfg, const hisparse::att
 void run_ceiling(const options& opt, const hisparse::SparseAttentionConfig& cfg,
                  const hisparse::attention_shape& shape) {
   using namespace hisparse;
-  std::printf("recall ceilings (CPU, fp64): %d requests per context\n\n", opt.batch);
-  std::printf("%9s %12s %22s %22s\n", "context", "selection", "window + best slices", "best tokens per head");
+  std::printf("recall ceilings (CPU, fp64): %d requests per context, needles of %d tokens; efficiency:\n"
+              "selection / (window + best slices); far: the same over the far mass (without the window)\n\n",
+              opt.batch, opt.needle_span > 0 ? opt.needle_span : workload::synthetic_options{}.needle_span);
+  std::printf("%9s %12s %22s %22s %11s %8s\n", "context", "selection", "window + best slices", "best tokens per head",
+              "efficiency", "far");
   for (const std::int64_t ctx : opt.contexts) {
-    workload::synthetic_options wo;
-    wo.context = ctx;
-    wo.shape = shape;
+    auto wo = workload_options(opt, shape, ctx);
     wo.num_queries = opt.batch;
-    wo.seed = opt.seed + static_cast<std::uint64_t>(ctx);
     const auto w = workload::make_synthetic_workload<__nv_bfloat16>(wo);
     std::vector<float> keys(w.keys.size());
     for (std::size_t i = 0; i < keys.size(); ++i) keys[i] = to_float(w.keys[i]);
     recalls r;
     for (int b = 0; b < opt.batch; ++b) add_request(cfg, shape, w, keys, b, opt.misses, r);
-    std::printf("%9lld %12.4f %22.4f %22.4f\n", static_cast<long long>(ctx), r.selection / r.rows,
-                r.slices / r.rows, r.tokens / r.rows);
+    std::printf("%9lld %12.4f %22.4f %22.4f %11.4f %8.4f\n", static_cast<long long>(ctx), r.selection / r.rows,
+                r.slices / r.rows, r.tokens / r.rows, r.selection / r.slices,
+                (r.selection - r.window) / (r.slices - r.window));
   }
 }
 
 }  // namespace
 
+/// The dense softmax mass of every token [0, p] for query row i of w's
+/// queries, query head qh (fp64).
+std::vector<double> token_mass(const hisparse::workload::synthetic_workload<__nv_bfloat16>& w,
+                               const std::vector<float>& keys, std::int64_t i, int qh, std::int64_t p) {
+  const auto& s = w.options.shape;
+  const int dim = s.head_dim, h = qh / s.group_size();
+  std::vector<double> q(static_cast<std::size_t>(dim));
+  for (int d = 0; d < dim; ++d)
+    q[static_cast<std::size_t>(d)] =
+        hisparse::to_double(w.queries[static_cast<std::size_t>((i * s.num_q_heads + qh) * dim + d)]);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+  std::vector<double> m(static_cast<std::size_t>(p + 1));
+  double top = -HUGE_VAL;
+  for (std::int64_t t = 0; t <= p; ++t) {
+    const float* k = &keys[static_cast<std::size_t>((t * s.num_kv_heads + h) * dim)];
+    double x = 0;
+    for (int d = 0; d < dim; ++d) x += q[static_cast<std::size_t>(d)] * k[d];
+    m[static_cast<std::size_t>(t)] = x * scale;
+    top = std::max(top, x * scale);
+  }
+  double z = 0;
+  for (double& x : m) z += (x = std::exp(x - top));
+  for (double& x : m) x /= z;
+  return m;
+}
+
+/// A TopK cache refresh rule: select afresh every `every` steps, or where
+/// the group-summed query's cosine to the one that made the selection falls
+/// below `min_cosine`, or where the coarse filter's kept blocks changed.
+struct refresh_rule {
+  const char* name;
+  int every = 1;
+  double min_cosine = -2.0;
+  bool on_coarse_change = false;
+};
+
+void run_stream(const options& opt, const hisparse::SparseAttentionConfig& cfg,
+                const hisparse::attention_shape& shape) {
+  using namespace hisparse;
+  constexpr int kNever = 1 << 30;
+  const std::vector<refresh_rule> rules{{"every step", 1},
+                                        {"every 4 steps", 4},
+                                        {"every 16 steps", 16},
+                                        {"every 64 steps", 64},
+                                        {"cosine < 0.99", kNever, 0.99},
+                                        {"cosine < 0.95", kNever, 0.95},
+                                        {"cosine < 0.90", kNever, 0.90},
+                                        {"coarse blocks changed", kNever, -2.0, true}};
+  const int hq = shape.num_q_heads, hkv = shape.num_kv_heads, dim = shape.head_dim, group = shape.group_size();
+  std::printf("TopK cache study (CPU, fp64): request 0, %d decode steps, queries drifting over %d steps\n\n",
+              opt.stream, opt.drift);
+  for (const std::int64_t ctx : opt.contexts) {
+    auto wo = workload_options(opt, shape, ctx);
+    wo.num_queries = opt.stream;
+    wo.drift_steps = opt.drift;
+    const auto w = workload::make_synthetic_workload<__nv_bfloat16>(wo);
+    std::vector<float> keys(w.keys.size());
+    for (std::size_t i = 0; i < keys.size(); ++i) keys[i] = to_float(w.keys[i]);
+    struct cached {
+      reference::tile_selection tile;
+      std::vector<double> qsum;
+      std::int64_t step = -1;
+    };
+    std::vector<std::vector<cached>> cache(rules.size(), std::vector<cached>(static_cast<std::size_t>(hkv)));
+    std::vector<double> recall(rules.size(), 0.0);
+    std::vector<std::int64_t> reuses(rules.size(), 0);
+    double fresh_recall = 0;
+    for (int i = 0; i < opt.stream; ++i) {
+      const std::int64_t p = ctx - opt.stream + i;  // step i's query position: the cache holds [0, p]
+      reference::sequence<__nv_bfloat16> seq;
+      seq.keys = tensor_view<const __nv_bfloat16, 3>::contiguous(w.keys.data(), p + 1, hkv, dim);
+      seq.values = tensor_view<const __nv_bfloat16, 3>::contiguous(w.values.data(), p + 1, hkv, dim);
+      seq.queries = tensor_view<const __nv_bfloat16, 3>::contiguous(
+          w.queries.data() + static_cast<std::size_t>(i) * hq * dim, 1, hq, dim);
+      seq.q_begin = p;
+      const auto fresh = reference::decode(cfg, shape, seq).tiles[0];
+      for (int h = 0; h < hkv; ++h) {
+        std::vector<std::vector<double>> mass;
+        std::vector<double> qsum(static_cast<std::size_t>(dim), 0.0);
+        for (int g = 0; g < group; ++g) {
+          mass.push_back(token_mass(w, keys, i, h * group + g, p));
+          for (int d = 0; d < dim; ++d) qsum[static_cast<std::size_t>(d)] += to_double(seq.queries(0, h * group + g, d));
+        }
+        auto recall_of = [&](const reference::tile_selection& t) {
+          double r = 0;
+          for (const std::int64_t pos : reference::attended_positions(t, h, p, cfg))
+            for (const auto& m : mass) r += m[static_cast<std::size_t>(pos)];
+          return r / group;
+        };
+        fresh_recall += recall_of(fresh);
+        for (std::size_t k = 0; k < rules.size(); ++k) {
+          auto& c = cache[k][static_cast<std::size_t>(h)];
+          const auto& rule = rules[k];
+          bool refresh = c.step < 0 || i - c.step >= rule.every;
+          if (!refresh && rule.min_cosine > -1.0) {
+            double dot = 0, a = 0, b = 0;
+            for (std::size_t d = 0; d < qsum.size(); ++d) {
+              dot += qsum[d] * c.qsum[d];
+              a += qsum[d] * qsum[d];
+              b += c.qsum[d] * c.qsum[d];
+            }
+            refresh = dot / std::sqrt(a * b) < rule.min_cosine;
+          }
+          if (!refresh && rule.on_coarse_change)
+            refresh = fresh.blocks[static_cast<std::size_t>(h)].kept != c.tile.blocks[static_cast<std::size_t>(h)].kept;
+          if (refresh) {
+            c.tile = fresh;
+            c.qsum = qsum;
+            c.step = i;
+          } else {
+            ++reuses[k];
+          }
+          recall[k] += recall_of(reference::reused_selection(c.tile, p));
+        }
+      }
+    }
+    const double pairs = static_cast<double>(opt.stream) * hkv;
+    std::printf("context %lld: selecting afresh every step, mean recall %.4f\n", static_cast<long long>(ctx),
+                fresh_recall / pairs);
+    std::printf("  %-24s %8s %12s %14s\n", "refresh rule", "reused", "mean recall", "against fresh");
+    for (std::size_t k = 0; k < rules.size(); ++k)
+      std::printf("  %-24s %8.3f %12.4f %14.4f\n", rules[k].name, static_cast<double>(reuses[k]) / pairs,
+                  recall[k] / pairs, recall[k] / fresh_recall);
+  }
+}
+
 int main(int argc, char** argv) try {
   using namespace hisparse;
   options opt = parse(argc, argv);
   const preset_registry presets;
-  const SparseAttentionConfig cfg = presets.get(presets.find(opt.preset));
+  SparseAttentionConfig cfg = presets.get(presets.find(opt.preset));
+  if (opt.coarse == "key_bounds") {
+    cfg.coarse_summary = coarse_summary::key_bounds;
+  } else if (!opt.coarse.empty() && opt.coarse != "mean") {
+    throw error(status::invalid_argument, "--coarse must be mean or key_bounds");
+  }
+  if (opt.needle_span < 0) throw error(status::invalid_argument, "--needle-span must be >= 1");
+  if (opt.stream < 0 || opt.drift < 1) throw error(status::invalid_argument, "--stream and --drift must be >= 1");
   const attention_shape shape{32, 8, 128};  // the 7B GQA model of the reference deployment
   const bool gpu = !opt.cpu && have_gpu();
+  if (gpu && !opt.ceiling && opt.stream == 0 && cfg.coarse_summary != coarse_summary::mean)
+    throw error(status::unsupported, "--coarse key_bounds runs on the CPU paths only (--cpu, --ceiling)");
   if (opt.contexts.empty())
     opt.contexts = gpu ? std::vector<std::int64_t>{32768, 131072, 262144} : std::vector<std::int64_t>{8192, 32768, 131072};
   if (opt.batch < 1) throw error(status::invalid_argument, "--batch must be >= 1");
@@ -529,9 +695,13 @@ int main(int argc, char** argv) try {
 
   std::printf("HiSparse demo: decode, %d query heads / %d KV heads, head_dim %d, bf16 KV\n",
               shape.num_q_heads, shape.num_kv_heads, shape.head_dim);
-  std::printf("preset '%s': window %d, blocks %d (keep %d), slices %d (keep %d)\n", opt.preset.c_str(),
-              cfg.window, cfg.coarse_block, cfg.top_k_coarse, cfg.fine_slice, cfg.top_k_fine);
-  if (opt.ceiling)
+  std::printf("preset '%s': window %d, blocks %d (keep %d, by %s), slices %d (keep %d, by %s)\n",
+              opt.preset.c_str(), cfg.window, cfg.coarse_block, cfg.top_k_coarse,
+              std::string(name_of(cfg.coarse_summary)).c_str(), cfg.fine_slice, cfg.top_k_fine,
+              std::string(name_of(cfg.fine_summary)).c_str());
+  if (opt.stream > 0)
+    run_stream(opt, cfg, shape);
+  else if (opt.ceiling)
     run_ceiling(opt, cfg, shape);
   else if (gpu)
     run_gpu(opt, cfg, shape);
