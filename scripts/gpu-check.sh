@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one command for a GPU host: build for sm_90, run the GPU tests, run them
+# The one command for a GPU host: build for sm_90a, run the GPU tests, run them
 # again under compute-sanitizer (memcheck, racecheck), run the benchmarks with
 # JSON output, and print a short summary last.
 #   scripts/gpu-check.sh OUT_DIR

@@ -81,7 +81,9 @@ __global__ void sm90a_probe_kernel() {
 }
 
 /// Whether the current device runs an sm_90a build (asked once per device).
-inline bool built_for_sm90a() {
+/// A template, so that only a call compiles the probe kernel into a file.
+template <int = 0>
+bool built_for_sm90a() {
   static per_device_flag flag;
   return flag.get([] {
     cudaFuncAttributes attr{};
