@@ -571,13 +571,11 @@ std::vector<double> token_mass(const hisparse::workload::synthetic_workload<__nv
   return m;
 }
 
-/// A TopK cache refresh rule: select afresh every `every` steps, or where
-/// the group-summed query's cosine to the one that made the selection falls
-/// below `min_cosine`, or where the coarse filter's kept blocks changed.
-struct refresh_rule {
+/// A refresh rule of the study: the config's (hisparse::refresh_rule), or
+/// refreshing where the coarse filter's kept blocks changed.
+struct study_rule {
   const char* name;
-  int every = 1;
-  double min_cosine = -2.0;
+  hisparse::refresh_rule rule;
   bool on_coarse_change = false;
 };
 
@@ -585,14 +583,14 @@ void run_stream(const options& opt, const hisparse::SparseAttentionConfig& cfg,
                 const hisparse::attention_shape& shape) {
   using namespace hisparse;
   constexpr int kNever = 1 << 30;
-  const std::vector<refresh_rule> rules{{"every step", 1},
-                                        {"every 4 steps", 4},
-                                        {"every 16 steps", 16},
-                                        {"every 64 steps", 64},
-                                        {"cosine < 0.99", kNever, 0.99},
-                                        {"cosine < 0.95", kNever, 0.95},
-                                        {"cosine < 0.90", kNever, 0.90},
-                                        {"coarse blocks changed", kNever, -2.0, true}};
+  const std::vector<study_rule> rules{{"every step", {1}},
+                                      {"every 4 steps", {4}},
+                                      {"every 16 steps", {16}},
+                                      {"every 64 steps", {64}},
+                                      {"cosine < 0.99", {kNever, 0.99f}},
+                                      {"cosine < 0.95", {kNever, 0.95f}},
+                                      {"cosine < 0.90", {kNever, 0.90f}},
+                                      {"coarse blocks changed", {kNever}, true}};
   const int hq = shape.num_q_heads, hkv = shape.num_kv_heads, dim = shape.head_dim, group = shape.group_size();
   std::printf("TopK cache study (CPU, fp64): request 0, %d decode steps, queries drifting over %d steps\n\n",
               opt.stream, opt.drift);
@@ -603,12 +601,8 @@ void run_stream(const options& opt, const hisparse::SparseAttentionConfig& cfg,
     const auto w = workload::make_synthetic_workload<__nv_bfloat16>(wo);
     std::vector<float> keys(w.keys.size());
     for (std::size_t i = 0; i < keys.size(); ++i) keys[i] = to_float(w.keys[i]);
-    struct cached {
-      reference::tile_selection tile;
-      std::vector<double> qsum;
-      std::int64_t step = -1;
-    };
-    std::vector<std::vector<cached>> cache(rules.size(), std::vector<cached>(static_cast<std::size_t>(hkv)));
+    std::vector<std::vector<reference::topk_cache_entry>> cache(
+        rules.size(), std::vector<reference::topk_cache_entry>(static_cast<std::size_t>(hkv)));
     std::vector<double> recall(rules.size(), 0.0);
     std::vector<std::int64_t> reuses(rules.size(), 0);
     double fresh_recall = 0;
@@ -638,16 +632,7 @@ void run_stream(const options& opt, const hisparse::SparseAttentionConfig& cfg,
         for (std::size_t k = 0; k < rules.size(); ++k) {
           auto& c = cache[k][static_cast<std::size_t>(h)];
           const auto& rule = rules[k];
-          bool refresh = c.step < 0 || i - c.step >= rule.every;
-          if (!refresh && rule.min_cosine > -1.0) {
-            double dot = 0, a = 0, b = 0;
-            for (std::size_t d = 0; d < qsum.size(); ++d) {
-              dot += qsum[d] * c.qsum[d];
-              a += qsum[d] * qsum[d];
-              b += c.qsum[d] * c.qsum[d];
-            }
-            refresh = dot / std::sqrt(a * b) < rule.min_cosine;
-          }
+          bool refresh = reference::refresh_due(rule.rule, c, qsum, i);
           if (!refresh && rule.on_coarse_change)
             refresh = fresh.blocks[static_cast<std::size_t>(h)].kept != c.tile.blocks[static_cast<std::size_t>(h)].kept;
           if (refresh) {

@@ -47,6 +47,9 @@ TEST_CASE("every invalid config field is rejected with its name", "[config]") {
       {"query_tile", [](auto& c) { c.query_tile = kMaxQueryTile + 1; }},  // more than a prefill CTA holds
       {"fine_summary", [](auto& c) { c.fine_summary = static_cast<fine_summary>(7); }},
       {"coarse_summary", [](auto& c) { c.coarse_summary = static_cast<coarse_summary>(2); }},
+      {"refresh.every", [](auto& c) { c.refresh.every = 0; }},
+      {"refresh.min_cosine", [](auto& c) { c.refresh.min_cosine = 1.5f; }},
+      {"refresh.min_cosine", [](auto& c) { c.refresh.min_cosine = std::nanf(""); }},
       // More fine candidates than one selection stage ranks: 4096-token blocks of 16-token slices.
       {"top_k_coarse", [](auto& c) { c.coarse_block = 4096; c.fine_slice = 16; }},
       {"top_k_coarse", [](auto& c) { c.top_k_coarse = 257; }},  // 257 * 16 = 4112 candidates

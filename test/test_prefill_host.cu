@@ -117,7 +117,7 @@ TEST_CASE("select_prefill_async rejects bad input before touching the device", "
           status::unsupported, "coarse_summary key_bounds is not built on the GPU");
 }
 
-TEST_CASE("the decode selection says it cannot run coarse key bounds yet", "[select][errors]") {
+TEST_CASE("the decode selection says it cannot run coarse key bounds or a TopK cache yet", "[select][errors]") {
   static float sums[1];
   static __nv_bfloat16 q[1];
   static std::int32_t ints[1];
@@ -140,6 +140,12 @@ TEST_CASE("the decode selection says it cannot run coarse key bounds yet", "[sel
   cfg.coarse_summary = coarse_summary::key_bounds;
   CHECK(select::can_implement_decode_selection(cfg, a) == status::unsupported);
   CHECK_THAT(last_error(), Catch::Contains("coarse_summary key_bounds is not built on the GPU"));
+  cfg = SparseAttentionConfig{};
+  cfg.refresh.every = 4;
+  CHECK(select::can_implement_decode_selection(cfg, a) == status::unsupported);
+  CHECK_THAT(last_error(), Catch::Contains("TopK cache"));
+  cfg.refresh = {1, 0.9f};  // a cosine test beside refreshing every step changes nothing
+  CHECK(select::can_implement_decode_selection(cfg, a) == status::success);
 }
 
 /// The tensor-core kernels' query layout against the mma.m16n8k8 (tf32) A

@@ -256,6 +256,67 @@ TEST_CASE("a reused selection attends the cached slices and the window from its 
   CHECK(made.window_begin < reference::window_begin(2040, c));  // 2040's own window starts later
 }
 
+TEST_CASE("decode with a TopK cache: every step is decode, reuse follows the refresh rule", "[reference]") {
+  const std::uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  const attention_shape shape{4, 2, 64};
+  constexpr int kSteps = 8;
+  constexpr std::int64_t kFirst = 2000;  // step i's query sits at kFirst + i
+  random_sequence<double> s(shape, kFirst + kSteps, kFirst, kSteps, seed);
+  auto step_view = [&](int i) {
+    reference::sequence<double> q;
+    q.keys = tensor_view<const double, 3>::contiguous(s.keys.data(), kFirst + i + 1, 2, 64);
+    q.values = tensor_view<const double, 3>::contiguous(s.values.data(), kFirst + i + 1, 2, 64);
+    q.queries = tensor_view<const double, 3>::contiguous(s.queries.data() + static_cast<std::size_t>(i) * 4 * 64, 1, 4, 64);
+    q.q_begin = kFirst + i;
+    return q;
+  };
+  SparseAttentionConfig c = small_config();
+  {
+    std::vector<reference::topk_cache_entry> cache(2);
+    for (int i = 0; i < kSteps; ++i) {
+      const auto got = reference::decode_cached(c, shape, step_view(i), i, cache);
+      const auto want = reference::decode(c, shape, step_view(i));
+      CHECK(got.refreshed == std::vector<bool>{true, true});
+      CHECK(got.r.output == want.output);
+      CHECK(got.r.lse == want.lse);
+    }
+  }
+  c.refresh.every = 4;
+  std::vector<reference::topk_cache_entry> cache(2);
+  std::vector<reference::tile_selection> made;
+  for (int i = 0; i < kSteps; ++i) {
+    const auto got = reference::decode_cached(c, shape, step_view(i), i, cache);
+    CHECK(got.refreshed == std::vector<bool>(2, i % 4 == 0));
+    if (i % 4 == 0) made.push_back(got.r.tiles[0]);
+    const auto& from = made.back();
+    for (int h = 0; h < 2; ++h) {
+      CHECK(got.window_begin[static_cast<std::size_t>(h)] == from.window_begin);
+      const auto pos = reference::attended_positions(reference::reused_selection(from, kFirst + i), h, kFirst + i, c);
+      CHECK(got.r.attended[static_cast<std::size_t>(h)] == static_cast<std::int64_t>(pos.size()));
+      for (int g = 0; g < 2; ++g) {
+        std::vector<double> out;
+        double lse = 0;
+        test::brute_attend(s, i, h * 2 + g, pos, out, lse);
+        for (int d = 0; d < 64; ++d) REQUIRE(got.r.out(0, h * 2 + g, d) == Approx(out[static_cast<std::size_t>(d)]).margin(1e-12));
+        REQUIRE(got.r.lse_of(0, h * 2 + g) == Approx(lse).margin(1e-12));
+      }
+    }
+  }
+  // The cosine test: independent queries refresh every step; the same
+  // query never does.
+  c.refresh = {1000, 0.99f};
+  std::vector<reference::topk_cache_entry> drift(2), still(2);
+  for (int i = 0; i < kSteps; ++i)
+    CHECK(reference::decode_cached(c, shape, step_view(i), i, drift).refreshed == std::vector<bool>{true, true});
+  for (int i = 1; i < kSteps; ++i)
+    std::copy(s.queries.begin(), s.queries.begin() + 4 * 64, s.queries.begin() + i * 4 * 64);
+  for (int i = 0; i < kSteps; ++i)
+    CHECK(reference::decode_cached(c, shape, step_view(i), i, still).refreshed == std::vector<bool>(2, i == 0));
+  std::vector<reference::topk_cache_entry> wrong(3);
+  CHECK_THROWS_WITH(reference::decode_cached(c, shape, step_view(0), 0, wrong), Catch::Contains("per KV head"));
+}
+
 TEST_CASE("prefill matches brute force with max-over-tile pooling", "[reference]") {
   const std::uint64_t seed = fresh_seed();
   INFO("seed " << seed);

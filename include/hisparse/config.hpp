@@ -53,6 +53,8 @@ enum class config_error : std::uint8_t {
   query_tile_must_be_in_1_to_kMaxQueryTile,
   fine_summary_must_be_mean_mean_bf16_or_key_bounds,
   coarse_summary_must_be_mean_or_key_bounds,
+  refresh_every_must_be_in_1_to_kMaxWindow,
+  refresh_min_cosine_must_be_in_minus_1_to_1,
   num_q_heads_must_be_in_1_to_kMaxHeads,
   num_kv_heads_must_be_in_1_to_kMaxHeads,
   num_q_heads_must_be_a_multiple_of_num_kv_heads,
@@ -92,6 +94,10 @@ struct config_error_info {
       return {"fine_summary", "must be mean, mean_bf16 or key_bounds"};
     case config_error::coarse_summary_must_be_mean_or_key_bounds:
       return {"coarse_summary", "must be mean or key_bounds"};
+    case config_error::refresh_every_must_be_in_1_to_kMaxWindow:
+      return {"refresh.every", "must be in [1, 2^20]"};
+    case config_error::refresh_min_cosine_must_be_in_minus_1_to_1:
+      return {"refresh.min_cosine", "must be in [-1, 1]"};
     case config_error::num_q_heads_must_be_in_1_to_kMaxHeads:
       return {"num_q_heads", "must be in [1, 1024]"};
     case config_error::num_kv_heads_must_be_in_1_to_kMaxHeads:
@@ -155,6 +161,22 @@ enum class coarse_summary : std::uint8_t { mean = 0, key_bounds = 1 };
   return "?";
 }
 
+/// When a decode step may reuse its TopK cache entry -- the selection an
+/// earlier step made for the same sequence and KV head -- instead of
+/// selecting: it selects at least every `every` steps, and whenever the
+/// group-summed query's cosine to the one that selected falls below
+/// `min_cosine`. A reused selection attends the cached slices and the
+/// window from the cached start to the query. The default (every step) is
+/// DESIGN.md section 1's contract. The reference only for now; the GPU
+/// decode step rejects any other rule.
+struct refresh_rule {
+  int every = 1;
+  float min_cosine = -1.0f;  ///< -1: no cosine test
+
+  [[nodiscard]] constexpr bool every_step() const noexcept { return every == 1; }
+  friend constexpr bool operator==(const refresh_rule&, const refresh_rule&) = default;
+};
+
 /// Hierarchical sparse attention, as DESIGN.md section 1 defines it. The
 /// defaults are the field's: a 512-token window, 1024-token blocks of which
 /// 32 are kept, 64-token slices of which 16 are kept (about 1.5K tokens per
@@ -170,6 +192,8 @@ struct SparseAttentionConfig {
   hisparse::fine_summary fine_summary = hisparse::fine_summary::mean;
   /// What the coarse filter scores blocks by (above).
   hisparse::coarse_summary coarse_summary = hisparse::coarse_summary::mean;
+  /// When a decode step may reuse an earlier step's selection (above).
+  refresh_rule refresh{};
 
   [[nodiscard]] constexpr config_error validate() const noexcept {
     if (window < 1 || window > kMaxWindow) return config_error::window_must_be_in_1_to_kMaxWindow;
@@ -189,6 +213,9 @@ struct SparseAttentionConfig {
     if (!is_valid(fine_summary))
       return config_error::fine_summary_must_be_mean_mean_bf16_or_key_bounds;
     if (!is_valid(coarse_summary)) return config_error::coarse_summary_must_be_mean_or_key_bounds;
+    if (refresh.every < 1 || refresh.every > kMaxWindow) return config_error::refresh_every_must_be_in_1_to_kMaxWindow;
+    if (!(refresh.min_cosine >= -1.0f && refresh.min_cosine <= 1.0f))
+      return config_error::refresh_min_cosine_must_be_in_minus_1_to_1;
     return config_error::none;
   }
 
@@ -236,7 +263,9 @@ inline std::string field_values(const SparseAttentionConfig& c) {
          " top_k_fine=" + std::to_string(c.top_k_fine) +
          " query_tile=" + std::to_string(c.query_tile) +
          " fine_summary=" + std::string(name_of(c.fine_summary)) +
-         " coarse_summary=" + std::string(name_of(c.coarse_summary));
+         " coarse_summary=" + std::string(name_of(c.coarse_summary)) +
+         " refresh.every=" + std::to_string(c.refresh.every) +
+         " refresh.min_cosine=" + std::to_string(c.refresh.min_cosine);
 }
 inline std::string field_values(const attention_shape& s) {
   return "num_q_heads=" + std::to_string(s.num_q_heads) +

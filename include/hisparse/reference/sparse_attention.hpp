@@ -464,6 +464,80 @@ template <class T>
   return sparse_attention(c, s, seq, 1, c.fine_summary);
 }
 
+/// One KV head's TopK cache entry: the selection a decode step made, the
+/// group-summed query that made it, and that step (-1: empty).
+struct topk_cache_entry {
+  tile_selection tile;  ///< the selecting step's tile (its window start, every head's lists)
+  std::vector<double> qsum;
+  std::int64_t step = -1;
+};
+
+/// Whether `rule` has a decode step at `step` with group-summed query
+/// `qsum` select afresh rather than reuse `entry`: an empty entry, `every`
+/// steps since it was made, or the query's cosine to the entry's below
+/// min_cosine (a zero or non-finite query refreshes).
+[[nodiscard]] inline bool refresh_due(const refresh_rule& rule, const topk_cache_entry& entry,
+                                      std::span<const double> qsum, std::int64_t step) {
+  if (entry.step < 0 || step - entry.step >= rule.every) return true;
+  if (rule.min_cosine <= -1.0f) return false;
+  double dot = 0, a = 0, b = 0;
+  for (std::size_t d = 0; d < qsum.size(); ++d) {
+    dot += qsum[d] * entry.qsum[d];
+    a += qsum[d] * qsum[d];
+    b += entry.qsum[d] * entry.qsum[d];
+  }
+  return !(dot / std::sqrt(a * b) >= rule.min_cosine);
+}
+
+/// What decode_cached did for one step.
+struct cached_step {
+  result r;  ///< output, LSE and tokens attended over the selections used (r.tiles[0]: the fresh one)
+  std::vector<std::int64_t> window_begin;  ///< [Hkv]: the window start each head attended from
+  std::vector<bool> refreshed;             ///< [Hkv]: selected afresh (else reused)
+};
+
+/// A decode step with a TopK cache (`cache`: one entry per KV head of this
+/// sequence), `step` its number in the stream: per KV head, where
+/// c.refresh says so, the fresh selection (decode's) is attended and
+/// stored; elsewhere the entry's (reused_selection). With the default rule
+/// every head refreshes and the result is decode's.
+template <class T>
+[[nodiscard]] cached_step decode_cached(const SparseAttentionConfig& c, const attention_shape& s,
+                                        const sequence<T>& seq, std::int64_t step,
+                                        std::vector<topk_cache_entry>& cache) {
+  if (static_cast<int>(cache.size()) != s.num_kv_heads)
+    throw error(status::invalid_argument, "decode_cached: one cache entry per KV head");
+  cached_step out;
+  out.r = decode(c, s, seq);
+  const tile_selection& fresh = out.r.tiles[0];
+  const int hkv = s.num_kv_heads, dim = s.head_dim, group = s.group_size();
+  const std::int64_t p = seq.q_begin;
+  for (int h = 0; h < hkv; ++h) {
+    std::vector<double> qsum(static_cast<std::size_t>(dim), 0.0);
+    for (int g = 0; g < group; ++g)
+      for (int d = 0; d < dim; ++d) qsum[static_cast<std::size_t>(d)] += to_double(seq.queries(0, h * group + g, d));
+    auto& entry = cache[static_cast<std::size_t>(h)];
+    const bool refresh = refresh_due(c.refresh, entry, qsum, step);
+    out.refreshed.push_back(refresh);
+    if (refresh) {
+      entry = {fresh, std::move(qsum), step};
+      out.window_begin.push_back(fresh.window_begin);
+      continue;
+    }
+    const tile_selection used = reused_selection(entry.tile, p);
+    out.window_begin.push_back(used.window_begin);
+    const auto positions = attended_positions(used, h, p, c);
+    out.r.attended[static_cast<std::size_t>(h)] = static_cast<std::int64_t>(positions.size());
+    for (int g = 0; g < group; ++g) {
+      const int qh = h * group + g;
+      const auto q = detail::query_row(seq, 0, qh, dim);
+      out.r.lse[static_cast<std::size_t>(qh)] = detail::attend_row(q.data(), seq.keys, seq.values, h, dim, positions,
+                                                                   &out.r.output[static_cast<std::size_t>(qh * dim)]);
+    }
+  }
+  return out;
+}
+
 /// Decode for a batch of sequences (possibly of different lengths). The
 /// whole batch is validated before any work.
 template <class T>

@@ -488,6 +488,9 @@ template <class Q>
     return bad("dependents is not one of at_start, after_blocks, after_fine_scores");
   if (cfg.coarse_summary != coarse_summary::mean)
     return fail(status::unsupported, "decode selection: coarse_summary key_bounds is not built on the GPU yet");
+  if (!cfg.refresh.every_step())
+    return fail(status::unsupported, "decode selection: a refresh rule other than every step (a TopK cache) is not "
+                                     "built on the GPU yet");
   if (!a.keeps(cfg.fine_summary))
     return bad("the config's fine_summary is " + std::string(name_of(cfg.fine_summary)) +
                " and the cache does not keep it (paged_kv_cache_options::fine_summary is " +
