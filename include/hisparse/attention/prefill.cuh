@@ -281,6 +281,15 @@ struct prefill_loader {
     }
   }
 
+  /// load_kv of tile t into stage t % stages of a ring of (K tile | V tile)
+  /// pairs at ring_base.
+  template <int BlockKv>
+  __device__ __forceinline__ void load_ring(int t, int stages, unsigned ring_base, const void* zero_src) {
+    constexpr int kTileBytes = BlockKv * kRowBytes;
+    const unsigned dst = ring_base + static_cast<unsigned>((t % stages) * 2 * kTileBytes);
+    load_kv<BlockKv>(t, dst, dst + kTileBytes, zero_src);
+  }
+
  private:
   __device__ __forceinline__ void fill_pages(int first) {
     __syncthreads();  // nobody still reads the old pointers
@@ -440,10 +449,7 @@ __global__ void __launch_bounds__(Warps * 32, tuning::prefill_attention_ctas_per
     }
     if (t >= tiles) break;
     const int next = t + stages - 1;
-    if (next < tiles) {
-      const unsigned dst = ring_base + static_cast<unsigned>((next % stages) * 2 * kTileBytes);
-      load.template load_kv<BlockKv>(next, dst, dst + kTileBytes, a.queries);
-    }
+    if (next < tiles) load.template load_ring<BlockKv>(next, stages, ring_base, a.queries);
     cp_async_commit();
     if (t < 0) continue;
     if (stages == 1) {
@@ -592,10 +598,7 @@ __global__ void __launch_bounds__(Heads * 128, 1)
     }
     if (t >= tiles) break;
     const int next = t + Stages - 1;
-    if (next < tiles) {
-      const unsigned dst = ring_base + static_cast<unsigned>((next % Stages) * 2 * kTileBytes);
-      load.template load_kv<BlockKv>(next, dst, dst + kTileBytes, a.queries);
-    }
+    if (next < tiles) load.template load_ring<BlockKv>(next, Stages, ring_base, a.queries);
     cp_async_commit();
     if (t < 0) continue;
     const unsigned k_tile = ring_base + static_cast<unsigned>((t % Stages) * 2 * kTileBytes);
