@@ -443,6 +443,32 @@ struct recalls {
   int rows = 0;
 };
 
+/// The dense softmax mass of every token [0, p] for query row i of w's
+/// queries, query head qh (fp64).
+std::vector<double> token_mass(const hisparse::workload::synthetic_workload<__nv_bfloat16>& w,
+                               const std::vector<float>& keys, std::int64_t i, int qh, std::int64_t p) {
+  const auto& s = w.options.shape;
+  const int dim = s.head_dim, h = qh / s.group_size();
+  std::vector<double> q(static_cast<std::size_t>(dim));
+  for (int d = 0; d < dim; ++d)
+    q[static_cast<std::size_t>(d)] =
+        hisparse::to_double(w.queries[static_cast<std::size_t>((i * s.num_q_heads + qh) * dim + d)]);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+  std::vector<double> m(static_cast<std::size_t>(p + 1));
+  double top = -HUGE_VAL;
+  for (std::int64_t t = 0; t <= p; ++t) {
+    const float* k = &keys[static_cast<std::size_t>((t * s.num_kv_heads + h) * dim)];
+    double x = 0;
+    for (int d = 0; d < dim; ++d) x += q[static_cast<std::size_t>(d)] * k[d];
+    m[static_cast<std::size_t>(t)] = x * scale;
+    top = std::max(top, x * scale);
+  }
+  double z = 0;
+  for (double& x : m) z += (x = std::exp(x - top));
+  for (double& x : m) x /= z;
+  return m;
+}
+
 /// Adds one request's (query position T - 1) recalls, every KV head.
 void add_request(const hisparse::SparseAttentionConfig& cfg, const hisparse::attention_shape& shape,
                  const hisparse::workload::synthetic_workload<__nv_bfloat16>& w, const std::vector<float>& keys,
@@ -457,26 +483,9 @@ void add_request(const hisparse::SparseAttentionConfig& cfg, const hisparse::att
   seq.q_begin = T - 1;
   const auto sparse = reference::decode(cfg, shape, seq);
   const std::int64_t ws = sparse.tiles[0].window_begin, far_slices = ws / F;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
-  std::vector<std::vector<double>> mass(static_cast<std::size_t>(group),
-                                        std::vector<double>(static_cast<std::size_t>(T)));
+  std::vector<std::vector<double>> mass(static_cast<std::size_t>(group));
   for (int h = 0; h < hkv; ++h) {
-    for (int g = 0; g < group; ++g) {
-      std::vector<double> q(static_cast<std::size_t>(dim));
-      for (int d = 0; d < dim; ++d) q[static_cast<std::size_t>(d)] = to_double(seq.queries(0, h * group + g, d));
-      auto& m = mass[static_cast<std::size_t>(g)];
-      double top = -HUGE_VAL;
-      for (std::int64_t t = 0; t < T; ++t) {
-        const float* k = &keys[static_cast<std::size_t>((t * hkv + h) * dim)];
-        double s = 0;
-        for (int d = 0; d < dim; ++d) s += q[static_cast<std::size_t>(d)] * k[d];
-        m[static_cast<std::size_t>(t)] = s * scale;
-        top = std::max(top, s * scale);
-      }
-      double z = 0;
-      for (double& x : m) z += (x = std::exp(x - top));
-      for (double& x : m) x /= z;
-    }
+    for (int g = 0; g < group; ++g) mass[static_cast<std::size_t>(g)] = token_mass(w, keys, request, h * group + g, T - 1);
     // Group mass of every far slice: what a shared slice selection keeps.
     std::vector<double> slice_mass(static_cast<std::size_t>(far_slices), 0.0);
     for (std::int64_t s = 0; s < far_slices; ++s)
@@ -544,32 +553,6 @@ void run_ceiling(const options& opt, const hisparse::SparseAttentionConfig& cfg,
 }
 
 }  // namespace
-
-/// The dense softmax mass of every token [0, p] for query row i of w's
-/// queries, query head qh (fp64).
-std::vector<double> token_mass(const hisparse::workload::synthetic_workload<__nv_bfloat16>& w,
-                               const std::vector<float>& keys, std::int64_t i, int qh, std::int64_t p) {
-  const auto& s = w.options.shape;
-  const int dim = s.head_dim, h = qh / s.group_size();
-  std::vector<double> q(static_cast<std::size_t>(dim));
-  for (int d = 0; d < dim; ++d)
-    q[static_cast<std::size_t>(d)] =
-        hisparse::to_double(w.queries[static_cast<std::size_t>((i * s.num_q_heads + qh) * dim + d)]);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
-  std::vector<double> m(static_cast<std::size_t>(p + 1));
-  double top = -HUGE_VAL;
-  for (std::int64_t t = 0; t <= p; ++t) {
-    const float* k = &keys[static_cast<std::size_t>((t * s.num_kv_heads + h) * dim)];
-    double x = 0;
-    for (int d = 0; d < dim; ++d) x += q[static_cast<std::size_t>(d)] * k[d];
-    m[static_cast<std::size_t>(t)] = x * scale;
-    top = std::max(top, x * scale);
-  }
-  double z = 0;
-  for (double& x : m) z += (x = std::exp(x - top));
-  for (double& x : m) x /= z;
-  return m;
-}
 
 /// A refresh rule of the study: the config's (hisparse::refresh_rule), or
 /// refreshing where the coarse filter's kept blocks changed.
