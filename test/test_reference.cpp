@@ -46,6 +46,19 @@ void check_against_brute_force(const random_sequence<T>& s, const SparseAttentio
   }
 }
 
+/// Queries of ones, keys zero but for two planted slices (F = 16, one KV
+/// head of 64 dims, query at 699 so ws = 624: 39 far slices, 5 blocks of
+/// 128): slice 2 every key 0.25 (mean 0.25, bound 0.25); slice 10 one key
+/// at 2 in every dimension and 15 at -1/15 (mean 1/16, bound 2).
+random_sequence<float> planted_bounds_case() {
+  random_sequence<float> s({2, 1, 64}, 700, 699, 1, 5);
+  for (auto& x : s.queries) x = 1.0f;
+  for (std::int64_t t = 0; t < 624; ++t)
+    for (int d = 0; d < 64; ++d)
+      s.key(t, 0, d) = t / 16 == 2 ? 0.25f : t / 16 == 10 ? (t == 160 ? 2.0f : -1.0f / 15.0f) : 0.0f;
+  return s;
+}
+
 /// A config scaled down so short contexts exercise every stage.
 SparseAttentionConfig small_config() { return SparseAttentionConfig{64, 128, 16, 3, 4, 8}; }
 
@@ -166,11 +179,7 @@ TEST_CASE("key bounds: outward bf16 words, the bound score, and the slice it kee
   // keep slice 2, bounds slice 10.
   SparseAttentionConfig c{64, 128, 16, 3, 1, 8};
   const attention_shape shape{2, 1, 64};
-  random_sequence<float> s(shape, 700, 699, 1, 5);  // ws = 624: 39 far slices, 5 blocks
-  for (auto& x : s.queries) x = 1.0f;
-  for (std::int64_t t = 0; t < 624; ++t)
-    for (int d = 0; d < 64; ++d)
-      s.key(t, 0, d) = t / 16 == 2 ? 0.25f : t / 16 == 10 ? (t == 160 ? 2.0f : -1.0f / 15.0f) : 0.0f;
+  const auto s = planted_bounds_case();
   CHECK(reference::decode(c, shape, s.view()).tiles[0].slices[0].kept == std::vector<std::int32_t>{2});
   c.fine_summary = fine_summary::key_bounds;
   const auto r = reference::decode(c, shape, s.view());
@@ -203,11 +212,7 @@ TEST_CASE("coarse key bounds keep the block a mean dilutes, and match brute forc
   // 0, bounds block 1 (bound 2 against 0.25 in every dimension).
   SparseAttentionConfig c{64, 128, 16, 1, 1, 8};
   const attention_shape shape{2, 1, 64};
-  random_sequence<float> s(shape, 700, 699, 1, 5);  // ws = 624: 39 far slices, 5 blocks
-  for (auto& x : s.queries) x = 1.0f;
-  for (std::int64_t t = 0; t < 624; ++t)
-    for (int d = 0; d < 64; ++d)
-      s.key(t, 0, d) = t / 16 == 2 ? 0.25f : t / 16 == 10 ? (t == 160 ? 2.0f : -1.0f / 15.0f) : 0.0f;
+  const auto s = planted_bounds_case();
   CHECK(reference::decode(c, shape, s.view()).tiles[0].blocks[0].kept == std::vector<std::int32_t>{0});
   c.coarse_summary = coarse_summary::key_bounds;
   const auto r = reference::decode(c, shape, s.view());
