@@ -19,27 +19,19 @@ Without a CUDA device it says so and exits 0.
 """
 import datetime
 import json
-import statistics
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_decode import timed  # noqa: E402  (median of CUDA-event timings, us)
 
 HQ, HKV, D = 32, 8, 128
 M, F, KF, W = 64, 64, 16, 512
 WARMUP, ITERATIONS = 3, 10
 
 
-def timed(torch, fn, iterations=ITERATIONS, warmup=WARMUP):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iterations):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+def timed_ms(torch, fn, iterations=ITERATIONS, warmup=WARMUP):
+    return timed(torch, fn, iterations=iterations, warmup=warmup) * 1e-3
 
 
 def block_mask(torch, np, directory, t):
@@ -113,14 +105,14 @@ def main():
     results = {}
     for name, options in (("flex", None), ("flex_64x64", {"BLOCK_M": 64, "BLOCK_N": 64})):
         try:
-            ms = timed(torch, lambda: flex(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=options))
+            ms = timed_ms(torch, lambda: flex(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=options))
             results[name] = {"ms": ms, "attended_TFLOPs": 4 * D * keys / (ms * 1e-3) * 1e-12}
         except Exception as e:  # a kernel option this PyTorch rejects
             results[name] = {"error": str(e).splitlines()[0][:200]}
         print(name, results[name], flush=True)
     kd, vd = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    ms = timed(torch, lambda: sdpa(q, kd, vd, is_causal=True), iterations=3, warmup=1)
+    ms = timed_ms(torch, lambda: sdpa(q, kd, vd, is_causal=True), iterations=3, warmup=1)
     results["sdpa_dense_causal"] = {"ms": ms, "attended_TFLOPs": 4 * D * HQ * t * (t + 1) / 2 / (ms * 1e-3) * 1e-12}
     print("sdpa_dense_causal", results["sdpa_dense_causal"], flush=True)
     doc = {

@@ -31,8 +31,9 @@ C, F, KC, KF, W = 1024, 64, 32, 16, 512
 WARMUP, ITERATIONS = 5, 30
 
 
-def timed(torch, fn, iterations=ITERATIONS, flush=None):
-    for _ in range(WARMUP):
+def timed(torch, fn, iterations=ITERATIONS, flush=None, warmup=WARMUP):
+    """Median of CUDA-event timings of fn() after warm-up, in us."""
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
