@@ -615,17 +615,17 @@ void run_stream(const options& opt, const hisparse::SparseAttentionConfig& cfg,
         for (std::size_t k = 0; k < rules.size(); ++k) {
           auto& c = cache[k][static_cast<std::size_t>(h)];
           const auto& rule = rules[k];
-          bool refresh = reference::refresh_due(rule.rule, c, qsum, i);
+          bool refresh = reference::refresh_due(rule.rule, c, qsum, p);
           if (!refresh && rule.on_coarse_change)
             refresh = fresh.blocks[static_cast<std::size_t>(h)].kept != c.tile.blocks[static_cast<std::size_t>(h)].kept;
           if (refresh) {
             c.tile = fresh;
             c.qsum = qsum;
-            c.step = i;
+            c.position = p;
           } else {
             ++reuses[k];
           }
-          recall[k] += recall_of(reference::reused_selection(c.tile, p));
+          recall[k] += recall_of(reference::reused_selection(c.tile, p, cfg));
         }
       }
     }

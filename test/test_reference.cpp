@@ -239,7 +239,7 @@ TEST_CASE("coarse key bounds keep the block a mean dilutes, and match brute forc
   check_against_brute_force(p, small, reference::prefill(small, random_shape, p.view()), small.query_tile);
 }
 
-TEST_CASE("a reused selection attends the cached slices and the window from its start to the query", "[reference]") {
+TEST_CASE("a reused selection attends the cached slices and the query's own window", "[reference]") {
   const std::uint64_t seed = fresh_seed();
   INFO("seed " << seed);
   const SparseAttentionConfig c = small_config();  // W 64, F 16
@@ -247,18 +247,20 @@ TEST_CASE("a reused selection attends the cached slices and the window from its 
   random_sequence<double> s(shape, 2001, 2000, 1, seed);  // the selection made at 2000
   const auto made = reference::decode(c, shape, s.view()).tiles[0];
   for (const std::int64_t p : {2000, 2001, 2040}) {
-    const auto t = reference::reused_selection(made, p);
+    const auto t = reference::reused_selection(made, p, c);
     CHECK(t.begin == p);
     CHECK(t.end == p + 1);
-    CHECK(t.window_begin == made.window_begin);  // the tokens that left the window stay
+    CHECK(t.window_begin == reference::window_begin(p, c));
     for (int h = 0; h < shape.num_kv_heads; ++h) {
       CHECK(t.slices[h].kept == made.slices[h].kept);
+      REQUIRE(!made.slices[h].kept.empty());
+      CHECK(std::int64_t{made.slices[h].kept.back() + 1} * c.fine_slice <= made.window_begin);  // all before the window
       const auto pos = reference::attended_positions(t, h, p, c);
-      REQUIRE(pos.size() == made.slices[h].kept.size() * 16 + static_cast<std::size_t>(p - made.window_begin + 1));
+      REQUIRE(pos.size() == made.slices[h].kept.size() * 16 + static_cast<std::size_t>(p - t.window_begin + 1));
       CHECK(pos.back() == p);
     }
   }
-  CHECK(made.window_begin < reference::window_begin(2040, c));  // 2040's own window starts later
+  CHECK(made.window_begin < reference::window_begin(2040, c));  // 2040's window moved on
 }
 
 TEST_CASE("decode with a TopK cache: every step is decode, reuse follows the refresh rule", "[reference]") {
@@ -280,7 +282,7 @@ TEST_CASE("decode with a TopK cache: every step is decode, reuse follows the ref
   {
     std::vector<reference::topk_cache_entry> cache(2);
     for (int i = 0; i < kSteps; ++i) {
-      const auto got = reference::decode_cached(c, shape, step_view(i), i, cache);
+      const auto got = reference::decode_cached(c, shape, step_view(i), cache);
       const auto want = reference::decode(c, shape, step_view(i));
       CHECK(got.refreshed == std::vector<bool>{true, true});
       CHECK(got.r.output == want.output);
@@ -291,13 +293,14 @@ TEST_CASE("decode with a TopK cache: every step is decode, reuse follows the ref
   std::vector<reference::topk_cache_entry> cache(2);
   std::vector<reference::tile_selection> made;
   for (int i = 0; i < kSteps; ++i) {
-    const auto got = reference::decode_cached(c, shape, step_view(i), i, cache);
+    const auto got = reference::decode_cached(c, shape, step_view(i), cache);
     CHECK(got.refreshed == std::vector<bool>(2, i % 4 == 0));
     if (i % 4 == 0) made.push_back(got.r.tiles[0]);
     const auto& from = made.back();
     for (int h = 0; h < 2; ++h) {
-      CHECK(got.window_begin[static_cast<std::size_t>(h)] == from.window_begin);
-      const auto pos = reference::attended_positions(reference::reused_selection(from, kFirst + i), h, kFirst + i, c);
+      CHECK(got.window_begin[static_cast<std::size_t>(h)] == reference::window_begin(kFirst + i, c));
+      const auto pos =
+          reference::attended_positions(reference::reused_selection(from, kFirst + i, c), h, kFirst + i, c);
       CHECK(got.r.attended[static_cast<std::size_t>(h)] == static_cast<std::int64_t>(pos.size()));
       for (int g = 0; g < 2; ++g) {
         std::vector<double> out;
@@ -313,13 +316,13 @@ TEST_CASE("decode with a TopK cache: every step is decode, reuse follows the ref
   c.refresh = {1000, 0.99f};
   std::vector<reference::topk_cache_entry> drift(2), still(2);
   for (int i = 0; i < kSteps; ++i)
-    CHECK(reference::decode_cached(c, shape, step_view(i), i, drift).refreshed == std::vector<bool>{true, true});
+    CHECK(reference::decode_cached(c, shape, step_view(i), drift).refreshed == std::vector<bool>{true, true});
   for (int i = 1; i < kSteps; ++i)
     std::copy(s.queries.begin(), s.queries.begin() + 4 * 64, s.queries.begin() + i * 4 * 64);
   for (int i = 0; i < kSteps; ++i)
-    CHECK(reference::decode_cached(c, shape, step_view(i), i, still).refreshed == std::vector<bool>(2, i == 0));
+    CHECK(reference::decode_cached(c, shape, step_view(i), still).refreshed == std::vector<bool>(2, i == 0));
   std::vector<reference::topk_cache_entry> wrong(3);
-  CHECK_THROWS_WITH(reference::decode_cached(c, shape, step_view(0), 0, wrong), Catch::Contains("per KV head"));
+  CHECK_THROWS_WITH(reference::decode_cached(c, shape, step_view(0), wrong), Catch::Contains("per KV head"));
 }
 
 TEST_CASE("prefill matches brute force with max-over-tile pooling", "[reference]") {

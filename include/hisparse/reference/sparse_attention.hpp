@@ -114,14 +114,15 @@ struct result {
 }
 
 /// A selection reused by a later decode step (a TopK cache hit) for the
-/// query at p: the cached tile's kept slices, and the window from the
-/// cached window's start up to p. The tokens that left the window since the
-/// selection stay attended (the selection never saw them as far tokens), so
-/// a reuse attends everything the fresh step's window would, and more.
-[[nodiscard]] inline tile_selection reused_selection(const tile_selection& cached, std::int64_t p) {
+/// query at p: the cached tile's kept slices, and p's own window. The kept
+/// slices lie before the cached window, so before p's (p is never before
+/// the selecting query: refresh_due).
+[[nodiscard]] inline tile_selection reused_selection(const tile_selection& cached, std::int64_t p,
+                                                     const SparseAttentionConfig& c) {
   tile_selection t = cached;
   t.begin = p;
   t.end = p + 1;
+  t.window_begin = contract::window_begin(p, c.window, c.fine_slice);
   return t;
 }
 
@@ -465,20 +466,21 @@ template <class T>
 }
 
 /// One KV head's TopK cache entry: the selection a decode step made, the
-/// group-summed query that made it, and that step (-1: empty).
+/// group-summed query that made it, and that query's position (-1: empty).
 struct topk_cache_entry {
   tile_selection tile;  ///< the selecting step's tile (its window start, every head's lists)
   std::vector<double> qsum;
-  std::int64_t step = -1;
+  std::int64_t position = -1;
 };
 
-/// Whether `rule` has a decode step at `step` with group-summed query
-/// `qsum` select afresh rather than reuse `entry`: an empty entry, `every`
-/// steps since it was made, or the query's cosine to the entry's below
-/// min_cosine (a zero or non-finite query refreshes).
+/// Whether `rule` has the decode query at position p with group-summed
+/// query `qsum` select afresh rather than reuse `entry`: an empty or stale
+/// entry (made by a query after p), `every` positions since it was
+/// made, or the query's cosine to the entry's below min_cosine (a zero or
+/// non-finite query refreshes).
 [[nodiscard]] inline bool refresh_due(const refresh_rule& rule, const topk_cache_entry& entry,
-                                      std::span<const double> qsum, std::int64_t step) {
-  if (entry.step < 0 || step - entry.step >= rule.every) return true;
+                                      std::span<const double> qsum, std::int64_t p) {
+  if (rule.every_step() || entry.position < 0 || p < entry.position || p - entry.position >= rule.every) return true;
   if (rule.min_cosine <= -1.0f) return false;
   double dot = 0, a = 0, b = 0;
   for (std::size_t d = 0; d < qsum.size(); ++d) {
@@ -497,14 +499,13 @@ struct cached_step {
 };
 
 /// A decode step with a TopK cache (`cache`: one entry per KV head of this
-/// sequence), `step` its number in the stream: per KV head, where
+/// sequence): per KV head, where
 /// c.refresh says so, the fresh selection (decode's) is attended and
 /// stored; elsewhere the entry's (reused_selection). With the default rule
 /// every head refreshes and the result is decode's.
 template <class T>
 [[nodiscard]] cached_step decode_cached(const SparseAttentionConfig& c, const attention_shape& s,
-                                        const sequence<T>& seq, std::int64_t step,
-                                        std::vector<topk_cache_entry>& cache) {
+                                        const sequence<T>& seq, std::vector<topk_cache_entry>& cache) {
   if (static_cast<int>(cache.size()) != s.num_kv_heads)
     throw error(status::invalid_argument, "decode_cached: one cache entry per KV head");
   cached_step out;
@@ -517,14 +518,14 @@ template <class T>
     for (int g = 0; g < group; ++g)
       for (int d = 0; d < dim; ++d) qsum[static_cast<std::size_t>(d)] += to_double(seq.queries(0, h * group + g, d));
     auto& entry = cache[static_cast<std::size_t>(h)];
-    const bool refresh = refresh_due(c.refresh, entry, qsum, step);
+    const bool refresh = refresh_due(c.refresh, entry, qsum, p);
     out.refreshed.push_back(refresh);
     if (refresh) {
-      entry = {fresh, std::move(qsum), step};
+      entry = {fresh, std::move(qsum), p};
       out.window_begin.push_back(fresh.window_begin);
       continue;
     }
-    const tile_selection used = reused_selection(entry.tile, p);
+    const tile_selection used = reused_selection(entry.tile, p, c);
     out.window_begin.push_back(used.window_begin);
     const auto positions = attended_positions(used, h, p, c);
     out.r.attended[static_cast<std::size_t>(h)] = static_cast<std::int64_t>(positions.size());
