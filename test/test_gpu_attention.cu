@@ -58,6 +58,7 @@ struct step_output {
   std::vector<double> out;  // [b][hq][d]
   std::vector<float> lse;   // [b][hq]
   std::vector<std::int32_t> kept, num, window;
+  std::vector<std::int32_t> refreshed;  // run_step, select_only: [b][kv_heads]
   int splits = 0;              // the attention's plan
   bool cluster_merge = false;
   int attention_launch = -1;   // run_step: hierarchical_decode::attention_launch()
@@ -159,6 +160,8 @@ step_output run_step(const test::problem<T>& p, Cache& cache, const std::vector<
   HISPARSE_CUDA_CHECK(cudaMemcpy(g.kept.data(), op.kept_slices(), g.kept.size() * 4, cudaMemcpyDeviceToHost));
   HISPARSE_CUDA_CHECK(cudaMemcpy(g.num.data(), op.num_slices(), g.num.size() * 4, cudaMemcpyDeviceToHost));
   HISPARSE_CUDA_CHECK(cudaMemcpy(g.window.data(), op.window_begin(), g.window.size() * 4, cudaMemcpyDeviceToHost));
+  g.refreshed.resize(rows);
+  HISPARSE_CUDA_CHECK(cudaMemcpy(g.refreshed.data(), op.refreshed(), rows * 4, cudaMemcpyDeviceToHost));
   g.attention_launch = static_cast<int>(op.attention_launch());
   return g;
 }
@@ -742,6 +745,170 @@ TEST_CASE("sparse attention over any kept list: a kept count past top_k_fine giv
       }
     UNSCOPED_INFO("worst error " << worst);
   }
+}
+
+namespace {
+/// The selection alone, with or without clusters, and the attention over
+/// what it kept: the TopK stream below alternates this with run_step, so
+/// entries written by one kernel are read by the other.
+template <class T, class Cache>
+step_output run_unclustered_step(const test::problem<T>& p, Cache& cache, const std::vector<int>& slots) {
+  const int B = static_cast<int>(p.lengths.size()), Hkv = p.shape.num_kv_heads, kf = p.cfg.top_k_fine;
+  const std::size_t rows = static_cast<std::size_t>(B) * Hkv;
+  dev<std::int32_t> d_slots(std::vector<std::int32_t>(slots.begin(), slots.end()));
+  dev<T> d_q(p.queries);
+  dev<std::int32_t> kept(rows * kf), num(rows), window(B), refreshed(rows);
+  kept.poison(nullptr);
+  num.poison(nullptr);
+  window.poison(nullptr);
+  refreshed.poison(nullptr);
+  select::decode_selection_arguments<T> a;
+  a.queries = d_q.ptr;
+  a.slots = d_slots.ptr;
+  a.batch = B;
+  a.num_q_heads = p.shape.num_q_heads;
+  a.set_cache(cache.ref());
+  a.use_clusters = false;
+  select::decode_selection_output o{kept.ptr, num.ptr, window.ptr};
+  o.refreshed = refreshed.ptr;
+  REQUIRE(select::select_decode_async(p.cfg, a, o) == status::success);
+  HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
+  const device_selection sel{kept.ptr, num.ptr, kf, p.cfg.window};
+  auto g = run_attention(p, cache, slots, 0, std::min(attention::sparse_max_items(p.cfg), cache.ref().max_slices),
+                         &sel);
+  g.kept = kept.download();
+  g.num = num.download();
+  g.window = window.download();
+  g.refreshed = refreshed.download();
+  return g;
+}
+}  // namespace
+
+TEST_CASE("TopK cache: a drifting decode stream reuses and refreshes as the reference's rule says",
+          "[gpu][attention][topk_cache]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  mr::device_pool_resource device;
+  SparseAttentionConfig cfg;
+  cfg.refresh = {4, 0.9f};
+  const attention_shape shape{32, 8, 128};
+  auto p = test::make_problem<__nv_bfloat16>(shape, cfg, {5000, 33 * 1024 + 17, 100003}, seed);
+  const int B = 3, Hkv = 8, G = 4, D = 128, kf = cfg.top_k_fine, steps = 12;
+  auto opt = test::cache_options(p, 100003 + steps);
+  opt.topk_cache_slices = kf;
+  kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, opt);
+  const auto slots = test::fill(p, cache);
+  // Each sequence's queries drift by its own step: slowly (the period
+  // refreshes), fast (the cosine test does), between (both).
+  const double drift[B] = {0.05, 0.3, 0.15};
+  workload::splitmix64 rng(seed + 7);
+  std::vector<double> q(p.queries.size());
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = to_double(p.queries[i]);
+  // The host's entries: what the GPU kept when it last refreshed, and the
+  // query and position the rule compares against.
+  std::vector<reference::topk_cache_entry> entries(static_cast<std::size_t>(B) * Hkv);
+  std::vector<std::vector<std::int32_t>> entry_kept(entries.size());
+  int reused = 0, refreshed = 0, at_threshold = 0;
+  for (int step = 0; step < steps; ++step) {
+    INFO("step " << step);
+    std::vector<__nv_bfloat16> k(static_cast<std::size_t>(B) * Hkv * D), v(k.size());
+    for (auto& x : k) x = from_float<__nv_bfloat16>(static_cast<float>(rng.normal()));
+    for (auto& x : v) x = from_float<__nv_bfloat16>(static_cast<float>(rng.normal()));
+    for (int b = 0; b < B; ++b) {
+      p.keys[b].insert(p.keys[b].end(), k.begin() + b * Hkv * D, k.begin() + (b + 1) * Hkv * D);
+      p.values[b].insert(p.values[b].end(), v.begin() + b * Hkv * D, v.begin() + (b + 1) * Hkv * D);
+      ++p.lengths[b];
+      for (int i = 0; i < shape.num_q_heads * D; ++i) {
+        const std::size_t at = static_cast<std::size_t>(b) * shape.num_q_heads * D + i;
+        if (step > 0) q[at] += drift[b] * rng.normal();
+        p.queries[at] = from_float<__nv_bfloat16>(static_cast<float>(q[at]));
+      }
+    }
+    dev<__nv_bfloat16> dk(k), dv(v);
+    REQUIRE(cache.append_decode_async(0, slots, dk.ptr, dv.ptr, nullptr) == status::success);
+    const auto g = step % 2 == 0 ? run_step(p, cache, slots) : run_unclustered_step(p, cache, slots);
+    check_against_fp64(p, g, /*dense=*/false);
+    for (int b = 0; b < B; ++b) {
+      const std::int64_t pos = p.lengths[b] - 1;
+      const auto fresh = reference::decode(p.cfg, p.shape, p.sequence(b));
+      REQUIRE(g.window[b] == fresh.tiles[0].window_begin);
+      for (int h = 0; h < Hkv; ++h) {
+        INFO("sequence " << b << ", KV head " << h);
+        const auto at = static_cast<std::size_t>(b * Hkv + h);
+        auto& e = entries[at];
+        std::vector<double> qsum(D, 0.0);
+        for (int gq = 0; gq < G; ++gq)
+          for (int d = 0; d < D; ++d)
+            qsum[d] += to_double(p.queries[(static_cast<std::size_t>(b) * shape.num_q_heads + h * G + gq) * D + d]);
+        bool due = reference::refresh_due(cfg.refresh, e, qsum, pos);
+        const bool gpu = g.refreshed[at] == 1;
+        REQUIRE((g.refreshed[at] == 0 || g.refreshed[at] == 1));
+        if (due != gpu) {
+          // fp32 against fp64: only a cosine within rounding of the
+          // threshold may decide differently.
+          REQUIRE(e.position >= 0);
+          REQUIRE(pos - e.position < cfg.refresh.every);
+          double dot = 0, aa = 0, bb = 0;
+          for (int d = 0; d < D; ++d) dot += qsum[d] * e.qsum[d], aa += qsum[d] * qsum[d], bb += e.qsum[d] * e.qsum[d];
+          REQUIRE(std::abs(dot / std::sqrt(aa * bb) - cfg.refresh.min_cosine) < 1e-5);
+          ++at_threshold;
+          due = gpu;
+        }
+        std::vector<std::int32_t> kept(g.kept.begin() + at * kf, g.kept.begin() + at * kf + g.num[at]);
+        for (int i = g.num[at]; i < kf; ++i) REQUIRE(g.kept[at * kf + i] == -1);
+        if (due) {
+          ++refreshed;
+          if (kept != fresh.tiles[0].slices[h].kept)
+            CHECK((near_tie(fresh.tiles[0].blocks[h]) || near_tie(fresh.tiles[0].slices[h])));
+          e.position = pos;
+          e.qsum = qsum;
+          entry_kept[at] = kept;
+        } else {
+          ++reused;
+          REQUIRE(kept == entry_kept[at]);
+        }
+      }
+    }
+  }
+  INFO("reused " << reused << ", refreshed " << refreshed << ", decided at the threshold " << at_threshold);
+  // The drifts above make both happen (the first step refreshes every entry).
+  CHECK(refreshed > B * Hkv);
+  CHECK(reused > 0);
+  CHECK(at_threshold <= 2);
+
+  // Another config on the same cache never reuses this one's entries (their
+  // fingerprint differs), and the default rule leaves the entries alone.
+  auto other = p;
+  other.cfg.window = 1024;
+  auto g = run_step(other, cache, slots);
+  check_against_fp64(other, g, false);
+  CHECK(g.refreshed == std::vector<std::int32_t>(static_cast<std::size_t>(B) * Hkv, 1));
+  const auto words = [&] {
+    std::vector<std::int32_t> w(kv::footprint_of(opt, sizeof(__nv_bfloat16)).topk_cache_bytes / 4);
+    HISPARSE_CUDA_CHECK(cudaMemcpy(w.data(), cache.ref().topk.entries, w.size() * 4, cudaMemcpyDeviceToHost));
+    return w;
+  };
+  const auto before = words();
+  other.cfg.refresh = {};
+  g = run_step(other, cache, slots);
+  CHECK(g.refreshed == std::vector<std::int32_t>(static_cast<std::size_t>(B) * Hkv, 1));
+  CHECK(words() == before);
+  g = run_step(p, cache, slots);  // entries of the window-1024 config: refresh
+  CHECK(g.refreshed == std::vector<std::int32_t>(static_cast<std::size_t>(B) * Hkv, 1));
+
+  // Freeing a sequence empties its entries (the slot's next sequence selects
+  // afresh); the others' stay.
+  REQUIRE(cache.free_sequence(slots[1]) == status::success);
+  HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto after = words();
+  const auto ref = cache.ref();
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < Hkv; ++h) {
+      const auto entry = ref.topk_entry(ref.seq_layer(slots[b], 0), h) - ref.topk.entries;
+      if (b == 1) CHECK(after[entry] == -1);
+      else CHECK(after[entry] == p.lengths[b] - 1);
+    }
 }
 
 TEST_CASE("decode step replays from a CUDA graph with new queries and tokens", "[gpu][attention]") {

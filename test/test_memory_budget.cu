@@ -85,3 +85,20 @@ TEST_CASE("the memory budget rejects what no cache could hold", "[runtime][budge
   in.config.fine_slice = 48;  // does not divide 1024
   CHECK(plan_memory(in, b) == status::invalid_argument);
 }
+
+TEST_CASE("a TopK cache adds one entry per (sequence, layer, KV head) to the metadata", "[runtime][budget]") {
+  kv::paged_kv_cache_options o;  // 8 KV heads, head_dim 128
+  o.num_layers = 28;
+  o.max_sequences = 8;
+  o.max_context = 262144;
+  const auto without = kv::footprint_of(o, 2);
+  CHECK(without.topk_cache_bytes == 0);
+  o.topk_cache_slices = 16;
+  const auto with = kv::footprint_of(o, 2);
+  // An entry: 4 header words, 16 slice ids, 128 fp32 query words.
+  CHECK(kv::topk_cache_ref::words(16, 128) == 148);
+  CHECK(kv::topk_cache_ref::words(13, 128) == 148);  // slice ids padded to 4 words
+  CHECK(with.topk_cache_bytes == std::size_t{8} * 28 * 8 * 148 * 4);
+  CHECK(with.metadata_bytes() == without.metadata_bytes() + with.topk_cache_bytes);
+  CHECK(with.page_bytes == without.page_bytes);
+}

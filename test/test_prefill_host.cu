@@ -117,7 +117,8 @@ TEST_CASE("select_prefill_async rejects bad input before touching the device", "
           status::unsupported, "coarse_summary key_bounds is not built on the GPU");
 }
 
-TEST_CASE("the decode selection says it cannot run coarse key bounds or a TopK cache yet", "[select][errors]") {
+TEST_CASE("the decode selection says it cannot run coarse key bounds, and a TopK rule needs a cache that keeps entries",
+          "[select][errors]") {
   static float sums[1];
   static __nv_bfloat16 q[1];
   static std::int32_t ints[1];
@@ -142,8 +143,15 @@ TEST_CASE("the decode selection says it cannot run coarse key bounds or a TopK c
   CHECK_THAT(last_error(), Catch::Contains("coarse_summary key_bounds is not built on the GPU"));
   cfg = SparseAttentionConfig{};
   cfg.refresh.every = 4;
-  CHECK(select::can_implement_decode_selection(cfg, a) == status::unsupported);
-  CHECK_THAT(last_error(), Catch::Contains("TopK cache"));
+  CHECK(select::can_implement_decode_selection(cfg, a) == status::invalid_argument);
+  CHECK_THAT(last_error(), Catch::Contains("keeps none") && Catch::Contains("topk_cache_slices >= top_k_fine (16)"));
+  static std::int32_t entries[1];
+  a.topk = {entries, 8, kv::topk_cache_ref::words(8, 128)};  // entries narrower than top_k_fine
+  CHECK(select::can_implement_decode_selection(cfg, a) == status::invalid_argument);
+  CHECK_THAT(last_error(), Catch::Contains("entries of 8 slices"));
+  a.topk.slices = 16;
+  CHECK(select::can_implement_decode_selection(cfg, a) == status::success);
+  a.topk = {};
   cfg.refresh = {1, 0.9f};  // a cosine test beside refreshing every step changes nothing
   CHECK(select::can_implement_decode_selection(cfg, a) == status::success);
 }

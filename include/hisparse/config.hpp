@@ -162,13 +162,15 @@ enum class coarse_summary : std::uint8_t { mean = 0, key_bounds = 1 };
 }
 
 /// When a decode step may reuse its TopK cache entry -- the selection an
-/// earlier step made for the same sequence and KV head -- instead of
-/// selecting: it selects at least every `every` steps, and whenever the
-/// group-summed query's cosine to the one that selected falls below
+/// earlier query of the same sequence and KV head made -- instead of
+/// selecting: it selects afresh once the query is `every` positions past
+/// the one that selected (or before it: a stale entry), and whenever the
+/// group-summed query's cosine to the selecting one falls below
 /// `min_cosine`. A reused selection attends the cached slices and the
-/// window from the cached start to the query. The default (every step) is
-/// DESIGN.md section 1's contract. The reference only for now; the GPU
-/// decode step rejects any other rule.
+/// query's own window (the window moves every step; slices that left it
+/// since the selection wait for the next one). The default (every step) is
+/// DESIGN.md section 1's contract. On the GPU any other rule needs a cache
+/// that keeps TopK entries (kv::paged_kv_cache_options::topk_cache_slices).
 struct refresh_rule {
   int every = 1;
   float min_cosine = -1.0f;  ///< -1: no cosine test

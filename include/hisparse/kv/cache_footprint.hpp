@@ -12,13 +12,15 @@
 //  * metadata, allocated once for every slot at its full context: the page
 //    table, the fp32 slice and block sums (blocks twice: sums and bases),
 //    the optional second fine summary, lengths, the append's block counters
-//    and its scratch (descriptors and the new pages' pointers).
+//    and its scratch (descriptors and the new pages' pointers), and the
+//    optional TopK cache entries.
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
 #include "hisparse/config.hpp"
+#include "hisparse/kv/paged_kv_ref.hpp"
 #include "hisparse/mr/resource.hpp"
 
 namespace hisparse::kv {
@@ -40,6 +42,11 @@ struct paged_kv_cache_options {
   /// rounded to bf16 (half their memory again); `key_bounds` each
   /// dimension's key range (as much memory as the sums).
   hisparse::fine_summary fine_summary = hisparse::fine_summary::mean;
+  /// Kept slices a TopK cache entry holds (config.hpp, refresh_rule): at
+  /// least the top_k_fine of a config that reuses selections; 0 keeps no
+  /// entries. One entry per (sequence, layer, KV head), ~0.6 KB at 16 slices
+  /// and head_dim 128.
+  int topk_cache_slices = 0;
 };
 
 namespace detail {
@@ -73,13 +80,13 @@ struct cache_footprint {
   std::size_t pool_chunk_option = 0;  ///< the pool's requested chunk size (at least one page)
   // Metadata, one allocation each.
   std::size_t table_bytes = 0, slice_sum_bytes = 0, slice_bf16_bytes = 0, slice_bounds_bytes = 0,
-              block_sum_bytes = 0, length_bytes = 0, counter_bytes = 0, scratch_bytes = 0;
+              block_sum_bytes = 0, length_bytes = 0, counter_bytes = 0, scratch_bytes = 0, topk_cache_bytes = 0;
   std::size_t pages_offset = 0;  ///< where the scratch's page pointers start
 
   /// Every metadata allocation (block sums twice: sums and bases).
   [[nodiscard]] constexpr std::size_t metadata_bytes() const {
     return table_bytes + slice_sum_bytes + slice_bf16_bytes + slice_bounds_bytes + 2 * block_sum_bytes +
-           length_bytes + counter_bytes + scratch_bytes;
+           length_bytes + counter_bytes + scratch_bytes + topk_cache_bytes;
   }
   /// Pages one (sequence, layer) holds at `tokens` tokens.
   [[nodiscard]] constexpr std::int64_t pages_for_tokens(std::int64_t tokens) const {
@@ -120,6 +127,10 @@ struct cache_footprint {
   f.slice_bf16_bytes = o.fine_summary == fine_summary::mean_bf16 ? seq_layers * slices * vec * 2 : 0;
   f.slice_bounds_bytes = o.fine_summary == fine_summary::key_bounds ? seq_layers * slices * vec * 4 : 0;
   f.length_bytes = seq_layers * sizeof(std::int32_t);
+  f.topk_cache_bytes = o.topk_cache_slices > 0 ? seq_layers * static_cast<std::size_t>(o.num_kv_heads) *
+                                                     topk_cache_ref::words(o.topk_cache_slices, o.head_dim) *
+                                                     sizeof(std::int32_t)
+                                               : 0;
   f.counter_bytes = static_cast<std::size_t>(o.max_sequences) * blocks * static_cast<std::size_t>(o.num_kv_heads) *
                     sizeof(unsigned);
   f.pages_offset = align(static_cast<std::size_t>(o.max_sequences) * sizeof(detail::append_desc));

@@ -338,6 +338,7 @@ class paged_kv_cache {
     counter_bytes_ = f.counter_bytes;
     pages_offset_ = f.pages_offset;
     scratch_bytes_ = f.scratch_bytes;
+    topk_bytes_ = f.topk_cache_bytes;
     try {
       page_table_ = static_cast<T**>(resource_->allocate(table_bytes_, stream_));
       slice_sums_ = static_cast<float*>(resource_->allocate(slice_bytes_, stream_));
@@ -350,6 +351,10 @@ class paged_kv_cache {
       lengths_ = static_cast<std::int32_t*>(resource_->allocate(length_bytes_, stream_));
       counters_ = static_cast<unsigned*>(resource_->allocate(counter_bytes_, stream_));
       scratch_ = static_cast<std::byte*>(resource_->allocate(scratch_bytes_, stream_));
+      if (topk_bytes_ != 0) {
+        topk_entries_ = static_cast<std::int32_t*>(resource_->allocate(topk_bytes_, stream_));
+        HISPARSE_CUDA_CHECK(cudaMemsetAsync(topk_entries_, 0xff, topk_bytes_, stream_));  // every entry empty (-1)
+      }
       HISPARSE_CUDA_CHECK(cudaMemsetAsync(page_table_, 0, table_bytes_, stream_));
       HISPARSE_CUDA_CHECK(cudaMemsetAsync(lengths_, 0, length_bytes_, stream_));
       HISPARSE_CUDA_CHECK(cudaMemsetAsync(counters_, 0, counter_bytes_, stream_));
@@ -399,6 +404,13 @@ class paged_kv_cache {
     }
     HISPARSE_CUDA_TRY(cudaMemsetAsync(lengths_ + std::int64_t{slot} * opt_.num_layers, 0,
                                       sizeof(std::int32_t) * static_cast<std::size_t>(opt_.num_layers), stream));
+    // The slot's TopK entries empty too: the next sequence in it selects
+    // afresh rather than reuse this one's slices.
+    if (topk_entries_ != nullptr) {
+      const std::size_t per_slot = topk_bytes_ / static_cast<std::size_t>(opt_.max_sequences);
+      HISPARSE_CUDA_TRY(cudaMemsetAsync(reinterpret_cast<std::byte*>(topk_entries_) + per_slot * slot, 0xff, per_slot,
+                                        stream));
+    }
     HISPARSE_CUDA_TRY(cudaEventRecord(last_launch_, stream));
     s = slot_state{};
     return status::success;
@@ -574,6 +586,11 @@ class paged_kv_cache {
     r.coarse_block = opt_.coarse_block;
     r.max_slices = max_slices_;
     r.max_blocks = max_blocks_;
+    if (topk_entries_ != nullptr) {
+      r.topk.entries = topk_entries_;
+      r.topk.slices = opt_.topk_cache_slices;
+      r.topk.stride = topk_cache_ref::words(opt_.topk_cache_slices, opt_.head_dim);
+    }
     return r;
   }
 
@@ -597,6 +614,8 @@ class paged_kv_cache {
     if (o.max_context < 1 || o.max_context > kMaxContext) bad("max_context must be in [1, 2^30]");
     if (!is_valid(o.fine_summary))
       bad("fine_summary must be mean, mean_bf16 or key_bounds");
+    if (o.topk_cache_slices < 0 || o.topk_cache_slices > kMaxTopK)
+      bad("topk_cache_slices must be in [0, 2048] (0: no TopK cache)");
     if (o.fine_summary != fine_summary::mean && !o.maintain_summaries)
       bad("fine_summary " + std::string(name_of(o.fine_summary)) + " needs maintain_summaries");
     return o;
@@ -642,6 +661,7 @@ class paged_kv_cache {
     give(lengths_, length_bytes_);
     give(counters_, counter_bytes_);
     give(scratch_, scratch_bytes_);
+    give(topk_entries_, topk_bytes_);
     if (last_launch_ != nullptr) cudaEventDestroy(last_launch_);
     last_launch_ = nullptr;
   }
@@ -653,7 +673,7 @@ class paged_kv_cache {
   cudaEvent_t last_launch_ = nullptr;
   std::int32_t max_slices_ = 0, max_blocks_ = 0;
   std::size_t table_bytes_ = 0, slice_bytes_ = 0, slice_bf16_bytes_ = 0, slice_bounds_bytes_ = 0, block_bytes_ = 0,
-              length_bytes_ = 0, counter_bytes_ = 0, scratch_bytes_ = 0, pages_offset_ = 0;
+              length_bytes_ = 0, counter_bytes_ = 0, scratch_bytes_ = 0, pages_offset_ = 0, topk_bytes_ = 0;
   T** page_table_ = nullptr;
   float* slice_sums_ = nullptr;
   __nv_bfloat16* slice_sums_bf16_ = nullptr;
@@ -663,6 +683,7 @@ class paged_kv_cache {
   std::int32_t* lengths_ = nullptr;
   unsigned* counters_ = nullptr;
   std::byte* scratch_ = nullptr;
+  std::int32_t* topk_entries_ = nullptr;
   std::vector<slot_state> slots_;
 };
 

@@ -91,8 +91,31 @@ struct summary_layout {
   }
 };
 
+/// A cache's TopK entries (config.hpp, refresh_rule): one per (sequence,
+/// layer, KV head), apart from the pages, read and written by the decode
+/// selection only. An entry is int32 words: [0] the position of the query
+/// that selected (-1: empty), [1] its kept count, [2] the selecting
+/// config's fingerprint (decode_selection.cuh), [3] unused, then `slices`
+/// kept slice ids (ascending; padded to 4 words), then head_dim fp32 words:
+/// the selecting query's group sum.
+struct topk_cache_ref {
+  static constexpr int kHeader = 4;
+  std::int32_t* entries = nullptr;  ///< [sequences][layers][kv_heads][stride]; null: the cache keeps none
+  int slices = 0;                   ///< kept slices an entry holds at most
+  int stride = 0;                   ///< int32 words per entry
+
+  /// Words per entry for `slices` kept slices and head_dim `dim`.
+  [[nodiscard]] HISPARSE_HOST_DEVICE static constexpr int words(int slices, int dim) {
+    return kHeader + (slices + 3) / 4 * 4 + dim;
+  }
+  /// Offset (words) of the kept list and of the group sum in an entry.
+  [[nodiscard]] HISPARSE_HOST_DEVICE static constexpr int kept_offset() { return kHeader; }
+  [[nodiscard]] HISPARSE_HOST_DEVICE constexpr int query_offset() const { return kHeader + (slices + 3) / 4 * 4; }
+};
+
 /// What a selection reads of a cache: the summaries, the lengths and their
-/// layout (no pages, so no element type).
+/// layout (no pages, so no element type), and the TopK entries it may
+/// reuse and rewrite.
 struct summary_ref : summary_layout {
   const float* slice_sums = nullptr;   ///< [sequences][layers][max_slices][kv_heads][head_dim]
   const float* block_sums = nullptr;   ///< [sequences][layers][max_blocks][kv_heads][head_dim]
@@ -114,6 +137,11 @@ struct summary_ref : summary_layout {
   }
   [[nodiscard]] HISPARSE_HOST_DEVICE std::int32_t length(int seq, int layer) const {
     return lengths[seq_layer(seq, layer)];
+  }
+  topk_cache_ref topk{};
+  /// The TopK entry of (sequence, layer) row `seq_layer`, KV head h.
+  [[nodiscard]] HISPARSE_HOST_DEVICE std::int32_t* topk_entry(std::int64_t seq_layer, int h) const {
+    return topk.entries + (seq_layer * kv_heads + h) * topk.stride;
   }
 };
 

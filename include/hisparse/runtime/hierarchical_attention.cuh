@@ -200,6 +200,9 @@ class hierarchical_decode {
   [[nodiscard]] const std::int32_t* kept_slices() const { return kept_slices_; }
   [[nodiscard]] const std::int32_t* num_slices() const { return num_slices_; }
   [[nodiscard]] const std::int32_t* window_begin() const { return window_begin_; }
+  /// [batch][kv_heads]: 1 where the last run selected afresh, 0 where it
+  /// reused the TopK entry (config.hpp, refresh_rule; always 1 by default).
+  [[nodiscard]] const std::int32_t* refreshed() const { return refreshed_; }
   [[nodiscard]] const attention::decode_attention_plan& attention_plan() const { return attention_plan_; }
   /// When run()'s attention may start within the selection (the plan's
   /// choice, see make_layout).
@@ -222,7 +225,7 @@ class hierarchical_decode {
   }
 
   struct layout {
-    std::size_t attention = 0, kept = 0, num = 0, window = 0, total = 0;
+    std::size_t attention = 0, kept = 0, num = 0, window = 0, refreshed = 0, total = 0;
     attention::decode_attention_plan attention_plan;
     bool selection_carveout = false;  ///< run() asks the selection for max_shared_carveout
     dependents_launch attention_launch = dependents_launch::at_start;  ///< when run()'s attention may start
@@ -242,7 +245,7 @@ class hierarchical_decode {
     return selection_ctas(a) <= tuning::kBesideSelectionCtasPerSm * std::int64_t{gpu.sms};
   }
 
-  /// [attention workspace (merge counters first) | kept slices | counts | windows]
+  /// [attention workspace (merge counters first) | kept slices | counts | windows | refreshed]
   status make_layout(const arguments& a, const attention::gpu_limits& gpu, int counter_batch, layout& l) const {
     const bool beside = beside_selection(a, gpu);
     HISPARSE_TRY(attention::plan_decode_attention<Tile>(attention_arguments(a, nullptr, nullptr), gpu,
@@ -266,14 +269,16 @@ class hierarchical_decode {
                          : warp_ranks ? dependents_launch::after_blocks
                                       : dependents_launch::after_fine_scores;
     const std::size_t rows = static_cast<std::size_t>(a.batch) * a.cache.kv_heads;
-    const std::array<std::size_t, 4> bytes{l.attention_plan.workspace_bytes,
+    const std::array<std::size_t, 5> bytes{l.attention_plan.workspace_bytes,
                                            rows * cfg_.top_k_fine * sizeof(std::int32_t), rows * sizeof(std::int32_t),
-                                           static_cast<std::size_t>(a.batch) * sizeof(std::int32_t)};
-    const auto parts = workspace_layout<4>::of(bytes);
+                                           static_cast<std::size_t>(a.batch) * sizeof(std::int32_t),
+                                           rows * sizeof(std::int32_t)};
+    const auto parts = workspace_layout<5>::of(bytes);
     l.attention = parts.offset[0];
     l.kept = parts.offset[1];
     l.num = parts.offset[2];
     l.window = parts.offset[3];
+    l.refreshed = parts.offset[4];
     l.total = parts.total;
     return status::success;
   }
@@ -284,6 +289,7 @@ class hierarchical_decode {
     kept_slices_ = reinterpret_cast<std::int32_t*>(base + l.kept);
     num_slices_ = reinterpret_cast<std::int32_t*>(base + l.num);
     window_begin_ = reinterpret_cast<std::int32_t*>(base + l.window);
+    refreshed_ = reinterpret_cast<std::int32_t*>(base + l.refreshed);
     attention_plan_ = l.attention_plan;
     selection_carveout_ = l.selection_carveout;
     attention_launch_ = l.attention_launch;
@@ -302,7 +308,9 @@ class hierarchical_decode {
   }
 
   select::decode_selection_output selection_output() const {
-    return select::decode_selection_output{kept_slices_, num_slices_, window_begin_};
+    select::decode_selection_output out{kept_slices_, num_slices_, window_begin_};
+    out.refreshed = refreshed_;
+    return out;
   }
 
   attention::decode_attention_arguments<T> attention_arguments(const arguments& a, const std::int32_t* kept,
@@ -324,6 +332,7 @@ class hierarchical_decode {
   std::int32_t* kept_slices_ = nullptr;
   std::int32_t* num_slices_ = nullptr;
   std::int32_t* window_begin_ = nullptr;
+  std::int32_t* refreshed_ = nullptr;
   void* attention_workspace_ = nullptr;
   void* workspace_ = nullptr;
   std::size_t capacity_ = 0;

@@ -48,6 +48,9 @@ namespace hisparse::select {
 
 /// Where the selection of a decode batch goes. Kept lists are ascending and
 /// padded with -1; the score arrays (optional) hold each kept item's score.
+/// A (sequence, KV head) that reuses its TopK entry (config.hpp,
+/// refresh_rule) gets the entry's slices, NaN slice scores, and no kept
+/// blocks (-1, scores -inf): its blocks were not ranked this step.
 struct decode_selection_output {
   std::int32_t* kept_slices = nullptr;    ///< [batch][kv_heads][top_k_fine]
   std::int32_t* num_slices = nullptr;     ///< [batch][kv_heads]
@@ -55,6 +58,7 @@ struct decode_selection_output {
   std::int32_t* kept_blocks = nullptr;    ///< optional [batch][kv_heads][top_k_coarse]
   float* block_scores = nullptr;          ///< optional [batch][kv_heads][top_k_coarse]
   float* slice_scores = nullptr;          ///< optional [batch][kv_heads][top_k_fine]
+  std::int32_t* refreshed = nullptr;      ///< optional [batch][kv_heads]: 1 selected afresh, 0 reused
 };
 
 /// Everything a decode selection reads: the queries [batch][q_heads][head_dim],
@@ -115,7 +119,77 @@ struct decode_params {
   decode_selection_output out;
   int window, top_k_coarse, top_k_fine;
   selection_smem smem;
+  refresh_rule refresh;
+  bool cached;              ///< !refresh.every_step(): the TopK entries are read and written
+  std::int32_t fingerprint;  ///< of the config (selection_fingerprint): an entry another config made is not reused
 };
+
+/// What makes a TopK entry reusable by a config besides the rule: the
+/// config's window and kept widths and what it scored by (the cache fixes
+/// the slice and block sizes). 31 bits, so never an empty entry's -1.
+inline std::int32_t selection_fingerprint(const SparseAttentionConfig& c) {
+  std::uint32_t h = 2166136261u;
+  for (const std::uint32_t x : {static_cast<std::uint32_t>(c.window), static_cast<std::uint32_t>(c.top_k_coarse),
+                                static_cast<std::uint32_t>(c.top_k_fine), static_cast<std::uint32_t>(c.fine_summary),
+                                static_cast<std::uint32_t>(c.coarse_summary)})
+    h = (h ^ x) * 16777619u;
+  return static_cast<std::int32_t>(h & 0x7fffffffu);
+}
+
+/// The TopK verdict (config.hpp, refresh_rule) for the query at p0 and the
+/// entry of its (sequence, KV head): true to reuse the entry. `q` is this
+/// thread's dimension of the group-summed query (0 past head_dim); `red`
+/// 3 * kSelectWarps floats of shared memory. Every CTA of a cluster gets
+/// the same verdict: the same words, summed in the same order.
+template <int D>
+__device__ bool reuse_topk_entry(const std::int32_t* entry, std::int32_t p0, const refresh_rule& rule,
+                                 std::int32_t fingerprint, int top_k_fine, int query_offset, float q, float* red) {
+  const std::int32_t made = entry[0];
+  if (made < 0 || p0 < made || p0 - made >= rule.every || entry[2] != fingerprint || entry[1] > top_k_fine)
+    return false;
+  if (rule.min_cosine <= -1.0f) return true;
+  const int t = static_cast<int>(threadIdx.x);
+  const float e = t < D ? __int_as_float(entry[query_offset + t]) : 0.0f;
+  float v[3] = {q * e, q * q, e * e};
+#pragma unroll
+  for (float& x : v)
+    for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+  constexpr int kWarps = (D + 31) / 32;
+  if (t % 32 == 0 && t / 32 < kWarps)
+    for (int i = 0; i < 3; ++i) red[i * kWarps + t / 32] = v[i];
+  __syncthreads();
+  float dot = 0, a = 0, b = 0;
+  for (int w = 0; w < kWarps; ++w) {
+    dot += red[w];
+    a += red[kWarps + w];
+    b += red[2 * kWarps + w];
+  }
+  // NaN (a zero or non-finite query) compares false: refresh.
+  return dot / (sqrtf(a) * sqrtf(b)) >= rule.min_cosine;
+}
+
+/// A reused TopK entry as the selection's output, on the writer CTA: the
+/// entry's kept slices (padded with -1), NaN slice scores (not scored this
+/// step), no kept blocks.
+template <class Q>
+__device__ void write_reused_selection(const decode_params<Q>& p, std::int64_t at, const std::int32_t* entry) {
+  const int n = entry[1];
+  const std::int32_t* kept = entry + kv::topk_cache_ref::kept_offset();
+  const float inf = __int_as_float(0x7f800000);
+  for (int i = static_cast<int>(threadIdx.x); i < p.top_k_fine; i += kSelectThreads) {
+    p.out.kept_slices[at * p.top_k_fine + i] = i < n ? kept[i] : -1;
+    if (p.out.slice_scores) p.out.slice_scores[at * p.top_k_fine + i] = i < n ? __int_as_float(0x7fc00000) : -inf;
+  }
+  if (p.out.kept_blocks)
+    for (int i = static_cast<int>(threadIdx.x); i < p.top_k_coarse; i += kSelectThreads) {
+      p.out.kept_blocks[at * p.top_k_coarse + i] = -1;
+      if (p.out.block_scores) p.out.block_scores[at * p.top_k_coarse + i] = -inf;
+    }
+  if (threadIdx.x == 0) {
+    p.out.num_slices[at] = n;
+    if (p.out.refreshed) p.out.refreshed[at] = 0;
+  }
+}
 
 /// Grid: x = KV head * S (a cluster of S CTAs per head), y = batch row.
 /// The cluster's CTAs split the scoring of blocks and of fine candidates and
@@ -167,12 +241,12 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   // Step 1's query sum (dimension threadIdx.x), loaded while the slot is on
   // its way, so the chain to the length is slot -> length, not three loads.
   static_assert(D <= kSelectThreads, "one query dimension per thread");
+  float my_q = 0.0f;  // this thread's dimension of the sum (the TopK test reads it)
   if (t < D) {
     const int group = in.num_q_heads / in.kv_heads;
     const Q* q = in.queries + (std::int64_t{b} * in.num_q_heads + std::int64_t{h} * group) * D + t;
-    float acc = 0.0f;
-    for (int g = 0; g < group; ++g) acc += to_float(q[std::int64_t{g} * D]);
-    qsum[t] = acc;
+    for (int g = 0; g < group; ++g) my_q += to_float(q[std::int64_t{g} * D]);
+    qsum[t] = my_q;
   }
   const std::int64_t seq_layer = in.seq_layer(seq, in.layer);
   const std::int32_t length = in.lengths[seq_layer];
@@ -182,6 +256,23 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   const std::int32_t far_slices = contract::far_slices(ws, F);
   const std::int32_t blocks = contract::candidate_blocks(ws, C);
   if (rank == 0 && h == 0 && t == 0) p.out.window_begin[b] = ws;
+
+  // A TopK entry the rule lets this query reuse: the writer copies it out
+  // and the cluster leaves before any load for the ranking is issued. Every
+  // CTA reads the entry here, before the first cluster barrier; the writer
+  // overwrites it only after the second.
+  const std::int64_t at = std::int64_t{b} * in.kv_heads + h;
+  const bool writer = rank == 0;
+  std::int32_t* entry = p.cached ? in.topk_entry(seq_layer, h) : nullptr;
+  if (p.cached) {  // uniform
+    __shared__ float reuse_red[3 * kSelectWarps];
+    if (reuse_topk_entry<D>(entry, length - 1, p.refresh, p.fingerprint, p.top_k_fine, in.topk.query_offset(), my_q,
+                            reuse_red)) {
+      if (writer) write_reused_selection(p, at, entry);
+      cluster::wait();  // the arrive above; nobody touches another CTA's shared memory
+      return;
+    }
+  }
 
   const std::int64_t head_stride = in.row_stride();
   const std::int64_t slice_offset = in.slice_row(seq_layer, h);
@@ -218,10 +309,21 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
     score_summed_row<D>(staged, partial_first, head_stride, partial_rows, qsum,
                         1.0f / static_cast<float>(ws - whole * C), [&](float s) { store_block(whole, s); });
   cluster::sync();
+  // Every CTA has read the TopK entry (before this barrier): the writer
+  // may overwrite it with this selection.
+  if (writer && (p.cached || p.out.refreshed)) {
+    if (p.cached) {
+      if (t < D) reinterpret_cast<float*>(entry + in.topk.query_offset())[t] = my_q;
+      if (t == 0) {
+        entry[0] = length - 1;
+        entry[2] = p.fingerprint;
+      }
+    }
+    if (t == 0 && p.out.refreshed) p.out.refreshed[at] = 1;
+  }
+  std::int32_t* entry_kept = p.cached ? entry + kv::topk_cache_ref::kept_offset() : nullptr;
 
   int kept = 0;
-  const bool writer = rank == 0;
-  const std::int64_t at = std::int64_t{b} * in.kv_heads + h;
   float* out_block_scores = writer && p.out.block_scores ? p.out.block_scores + at * p.top_k_coarse : nullptr;
   std::int32_t* out_blocks = writer && p.out.kept_blocks ? p.out.kept_blocks + at * p.top_k_coarse : nullptr;
   auto emit_block = [&](int pos, int block) {
@@ -299,6 +401,7 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   float* out_slice_scores = p.out.slice_scores ? p.out.slice_scores + at * p.top_k_fine : nullptr;
   auto emit_slice = [&](int pos, int c) {
     out_slices[pos] = slice_of(c);
+    if (entry_kept) entry_kept[pos] = slice_of(c);
     if (out_slice_scores) out_slice_scores[pos] = fine_scores[c];
   };
   int kept_slices = 0;
@@ -312,7 +415,10 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
       if (t == 0) fine_survivors = n;
       if (n <= kWarpRankSurvivors) {
         warp_rank_place(keys, n, p.top_k_fine, emit_slice);
-        if (t == 0) p.out.num_slices[at] = p.top_k_fine;
+        if (t == 0) {
+          p.out.num_slices[at] = p.top_k_fine;
+          if (entry) entry[1] = p.top_k_fine;
+        }
       }
     }
     __syncthreads();
@@ -330,7 +436,10 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
     out_slices[i] = -1;
     if (out_slice_scores) out_slice_scores[i] = -__int_as_float(0x7f800000);
   }
-  if (t == 0) p.out.num_slices[at] = kept_slices;
+  if (t == 0) {
+    p.out.num_slices[at] = kept_slices;
+    if (entry) entry[1] = kept_slices;
+  }
 }
 
 /// Whether the narrow kernel can run a stage of up to `candidates`
@@ -488,9 +597,13 @@ template <class Q>
     return bad("dependents is not one of at_start, after_blocks, after_fine_scores");
   if (cfg.coarse_summary != coarse_summary::mean)
     return fail(status::unsupported, "decode selection: coarse_summary key_bounds is not built on the GPU yet");
-  if (!cfg.refresh.every_step())
-    return fail(status::unsupported, "decode selection: a refresh rule other than every step (a TopK cache) is not "
-                                     "built on the GPU yet");
+  if (!cfg.refresh.every_step() && (a.topk.entries == nullptr || a.topk.slices < cfg.top_k_fine))
+    return bad("the config's refresh rule (every " + std::to_string(cfg.refresh.every) + ", min_cosine " +
+               std::to_string(cfg.refresh.min_cosine) + ") reuses TopK entries and the cache keeps " +
+               (a.topk.entries == nullptr ? std::string("none")
+                                          : "entries of " + std::to_string(a.topk.slices) + " slices") +
+               "; build it with paged_kv_cache_options::topk_cache_slices >= top_k_fine (" +
+               std::to_string(cfg.top_k_fine) + ")");
   if (!a.keeps(cfg.fine_summary))
     return bad("the config's fine_summary is " + std::string(name_of(cfg.fine_summary)) +
                " and the cache does not keep it (paged_kv_cache_options::fine_summary is " +
@@ -520,7 +633,15 @@ template <class Q>
   detail::selection_smem smem = detail::plan_selection_smem(cfg, a.max_blocks, wide);
   smem.partial = smem.bytes;
   smem.bytes += detail::kPartialBytes;
-  const detail::decode_params<Q> p{a, out, cfg.window, cfg.top_k_coarse, cfg.top_k_fine, smem};
+  const detail::decode_params<Q> p{a,
+                                   out,
+                                   cfg.window,
+                                   cfg.top_k_coarse,
+                                   cfg.top_k_fine,
+                                   smem,
+                                   cfg.refresh,
+                                   !cfg.refresh.every_step(),
+                                   detail::selection_fingerprint(cfg)};
   return dispatch_head_dim(a.head_dim, [&](auto d) {
     return detail::launch_selection<Q, d()>(p, wide, cfg.fine_summary, a.kv_heads, a.batch, stream);
   });
