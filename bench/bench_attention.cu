@@ -7,6 +7,8 @@
 // real step does (step_warm_us replays one batch, partly from L2); the dense
 // baseline, 0.3-9 ms per step, eagerly. An in-run device-to-device copy
 // gives the bandwidth ceiling the attention is quoted against.
+// BM_decode_stream: the step on a stream of turning queries with a TopK
+// cache, against the same stream selecting afresh (decode_stream).
 //
 // Axes from the command line (bench_main.hpp): --batch, --context,
 // --preset, --head_dim, --dtype; the defaults are the 7B GQA model's
@@ -18,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <numbers>
 #include <string>
 #include <vector>
 
@@ -54,7 +57,7 @@ struct decode_fixture {
   std::unique_ptr<device_array<std::int32_t>> d_slots;
 
   static kv::paged_kv_cache_options options(const SparseAttentionConfig& cfg, int sequences, std::int32_t context,
-                                            int dim) {
+                                            int dim, int topk_slices) {
     kv::paged_kv_cache_options o;
     o.num_kv_heads = kKvHeads;
     o.head_dim = dim;
@@ -63,13 +66,15 @@ struct decode_fixture {
     o.max_sequences = sequences;
     o.max_context = context;
     o.fine_summary = cfg.fine_summary;
+    o.topk_cache_slices = topk_slices;
     return o;
   }
 
-  decode_fixture(const SparseAttentionConfig& cfg, int batch_, std::int32_t context, int dim_, int copies = 1)
+  decode_fixture(const SparseAttentionConfig& cfg, int batch_, std::int32_t context, int dim_, int copies = 1,
+                 int topk_slices = 0)
       : batch(batch_),
         dim(dim_),
-        cache(device, options(cfg, batch_ * copies, context, dim_)),
+        cache(device, options(cfg, batch_ * copies, context, dim_, topk_slices)),
         queries(static_cast<std::size_t>(batch_) * kQHeads * dim_),
         out(static_cast<std::size_t>(batch_) * kQHeads * dim_),
         lse(static_cast<std::size_t>(batch_) * kQHeads) {
@@ -245,6 +250,136 @@ void decode_step(benchmark::State& state, const SparseAttentionConfig& cfg, int 
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
+/// A decode stream with a TopK cache (config.hpp, refresh_rule). Every
+/// query head's query turns on a circle, q_s = sqrt(3) c + a cos(phi_s) +
+/// b sin(phi_s) with phi_s = 2 pi s / kStreamSteps (a, b, c independent
+/// normals), so two queries k steps apart have cosine ~(3 + cos(2 pi k /
+/// kStreamSteps)) / 4 and the stream closes on itself: a graph of its
+/// steps replays as one endless stream. The context is held (no token is
+/// appended), so the rules' period never falls due and the cosine test
+/// decides. Each step runs every copy of the batch (as a model's layers,
+/// each with its own entries). Timed, per step and copy: the rule
+/// `refresh` (step_us; at 0.9 the stream reuses ~90% of selections, the
+/// middle of the CPU study's 86-97%, bench/results/2026-12-02-cpu-topk-
+/// cache-reuse), the config without a cache (fresh_step_us), a rule that
+/// refreshes every step through the cache (min_cosine 1: refresh_step_us,
+/// the cache's cost on a refreshing step), and one that always reuses
+/// (reuse_step_us).
+constexpr int kStreamSteps = 64;
+
+template <class T>
+void decode_stream(benchmark::State& state, const SparseAttentionConfig& base, int batch, std::int32_t context,
+                   int dim) {
+  const int elem = static_cast<int>(sizeof(T));
+  // Copies by the attention's bytes alone (a reusing step reads little else).
+  const double attended = std::min<double>(context, static_cast<double>(base.top_k_fine) * base.fine_slice + base.window);
+  const int copies = bench::cold_copies(batch * kKvHeads * attended * 2.0 * dim * elem,
+                                        2.0 * kKvHeads * dim * elem * batch * context);
+  decode_fixture<T> fx(base, batch, context, dim, copies, base.top_k_fine);
+  const std::size_t q_elems = static_cast<std::size_t>(batch) * kQHeads * dim;
+  std::vector<T> q(q_elems * kStreamSteps);
+  {
+    workload::splitmix64 rng(11);
+    std::vector<double> a(q_elems), b(q_elems), c(q_elems);
+    for (std::size_t i = 0; i < q_elems; ++i) a[i] = rng.normal(), b[i] = rng.normal(), c[i] = rng.normal();
+    for (int st = 0; st < kStreamSteps; ++st) {
+      const double phi = 2.0 * std::numbers::pi * st / kStreamSteps;
+      for (std::size_t i = 0; i < q_elems; ++i)
+        q[st * q_elems + i] = from_float<T>(static_cast<float>(std::sqrt(3.0) * c[i] + a[i] * std::cos(phi) +
+                                                               b[i] * std::sin(phi)));
+    }
+  }
+  const device_array<T> queries(q);
+  cudaStream_t stream = nullptr;
+  HISPARSE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  bench::event_timer timer;
+  auto arguments = [&](int st, int r) {
+    auto a = fx.arguments(r);
+    a.queries = queries.ptr + st * q_elems;
+    return a;
+  };
+  // One workspace per copy, shared by that copy's steps (they run in turn).
+  std::size_t bytes = 0;
+  throw_if_error(hierarchical_decode<T>(base).workspace_bytes(arguments(0, 0), bytes));
+  std::vector<std::unique_ptr<device_array<char>>> workspaces;
+  for (int r = 0; r < copies; ++r) workspaces.push_back(std::make_unique<device_array<char>>(bytes));
+  const int launches = kStreamSteps * copies;
+  auto plan = [&](const refresh_rule& rule) {
+    SparseAttentionConfig cfg = base;
+    cfg.refresh = rule;
+    std::vector<std::unique_ptr<hierarchical_decode<T>>> ops;
+    for (int i = 0; i < launches; ++i) {
+      ops.push_back(std::make_unique<hierarchical_decode<T>>(cfg));
+      throw_if_error(ops.back()->plan(arguments(i / copies, i % copies), workspaces[i % copies]->ptr, bytes, stream));
+    }
+    return ops;
+  };
+  const std::size_t rows = static_cast<std::size_t>(batch) * kKvHeads;
+  auto download = [&](const std::int32_t* p, std::size_t n) {
+    std::vector<std::int32_t> h(n);
+    HISPARSE_CUDA_CHECK(cudaMemcpy(h.data(), p, n * 4, cudaMemcpyDeviceToHost));
+    return h;
+  };
+  const auto fresh = plan(refresh_rule{});
+  // Times a rule's stream; `refreshed` gets the share of (step, copy,
+  // sequence, KV head) selections made afresh over the second of two eager
+  // passes (the first fills the entries), and `overlap` (optional) the
+  // share of the fresh selection's slices a reused one attends.
+  auto time_rule = [&](const refresh_rule& rule, double& refreshed, double* overlap) {
+    const auto ops = plan(rule);
+    double fresh_rows = 0, reused_rows = 0, shared = 0, fresh_slices = 0;
+    for (int pass = 0; pass < 2; ++pass)
+      for (int i = 0; i < launches; ++i) {
+        throw_if_error(ops[i]->run(stream));
+        if (pass == 0) continue;
+        HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
+        const auto got = download(ops[i]->refreshed(), rows);
+        for (const auto x : got) (x == 1 ? fresh_rows : reused_rows) += 1;
+        if (overlap == nullptr) continue;
+        const auto used = download(ops[i]->kept_slices(), rows * base.top_k_fine);
+        throw_if_error(fresh[i]->run(stream));  // the default rule leaves the entries alone
+        HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
+        const auto best = download(fresh[i]->kept_slices(), rows * base.top_k_fine);
+        for (std::size_t row = 0; row < rows; ++row) {
+          if (got[row] == 1) continue;
+          const auto u = used.begin() + row * base.top_k_fine, f = best.begin() + row * base.top_k_fine;
+          for (int k = 0; k < base.top_k_fine; ++k)
+            if (f[k] >= 0) fresh_slices += 1, shared += std::find(u, u + base.top_k_fine, f[k]) != u + base.top_k_fine;
+        }
+      }
+    refreshed = fresh_rows / (fresh_rows + reused_rows);
+    if (overlap != nullptr) *overlap = fresh_slices > 0 ? shared / fresh_slices : 1.0;
+    const replay_graph graph(stream, launches, [&](cudaStream_t s, int i) { throw_if_error(ops[i]->run(s)); });
+    std::vector<double> t;
+    for (int i = 0; i < kSideRuns; ++i) t.push_back(graph.step_seconds(timer, stream));
+    return bench::median(t);
+  };
+  const refresh_rule rule{kMaxWindow, 0.9f};
+  double refreshed = 0, overlap = 0, all = 0, none = 0;
+  const double mixed_s = time_rule(rule, refreshed, &overlap);
+  const double refresh_s = time_rule({kMaxWindow, 1.0f}, all, nullptr);
+  const double reuse_s = time_rule({kMaxWindow, -1.0f}, none, nullptr);
+  const replay_graph fresh_graph(stream, launches, [&](cudaStream_t s, int i) { throw_if_error(fresh[i]->run(s)); });
+  std::vector<double> t_fresh;
+  for (auto _ : state) {
+    t_fresh.push_back(fresh_graph.step_seconds(timer, stream));
+    state.SetIterationTime(t_fresh.back() * launches);
+  }
+  const double fresh_s = bench::median(t_fresh);
+  state.counters["step_us"] = mixed_s * 1e6;
+  state.counters["fresh_step_us"] = fresh_s * 1e6;
+  state.counters["refresh_step_us"] = refresh_s * 1e6;
+  state.counters["reuse_step_us"] = reuse_s * 1e6;
+  state.counters["refresh_overhead_us"] = (refresh_s - fresh_s) * 1e6;
+  state.counters["speedup_vs_fresh"] = fresh_s / mixed_s;
+  state.counters["refreshed_share"] = refreshed;
+  state.counters["refreshed_share_min_cos_1"] = all;
+  state.counters["refreshed_share_reuse_all"] = none;
+  state.counters["kept_overlap_reused"] = overlap;
+  state.counters["copies"] = copies;
+  HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
 /// The composed step with another attention tile policy (rows per stage,
 /// warps, stages): the sweep that picks kDecodeTile (standard preset, bf16,
 /// head_dim 128).
@@ -276,7 +411,8 @@ inline constexpr tile_policy kTile64x4x4{1, 64, 4, 4};
 inline constexpr tile_policy kTile32x2x4{1, 32, 2, 4};
 inline constexpr tile_policy kTile128x8x2{1, 128, 8, 2};
 
-/// BM_decode_step/preset:P/dtype:E/D:d/B:b/T:t for every point of the sweep.
+/// BM_decode_step/preset:P/dtype:E/D:d/B:b/T:t and BM_decode_stream/(the
+/// same) for every point of the sweep.
 void register_decode_steps(const bench::sweep& axes) {
   for (const auto& dtype : axes.dtype)
     if (dtype != "bf16" && dtype != "fp16") throw error(status::invalid_argument, "--dtype: bf16 or fp16");
@@ -303,6 +439,15 @@ void register_decode_steps(const bench::sweep& axes) {
               }
             };
             benchmark::RegisterBenchmark(id.c_str(), run)->UseManualTime()->Unit(benchmark::kMicrosecond);
+            auto stream = [=](benchmark::State& state) {
+              if (dtype == "bf16") {
+                decode_stream<__nv_bfloat16>(state, cfg, batch, context, dim);
+              } else {
+                decode_stream<__half>(state, cfg, batch, context, dim);
+              }
+            };
+            const std::string stream_id = "BM_decode_stream" + id.substr(std::string("BM_decode_step").size());
+            benchmark::RegisterBenchmark(stream_id.c_str(), stream)->UseManualTime()->Unit(benchmark::kMicrosecond);
           }
   }
 }
