@@ -43,6 +43,19 @@ TEST_CASE("activation top-k keeps the largest |a| g, ascending, with the activat
   CHECK(one.values[1] == 0.0);
 }
 
+TEST_CASE("activation top-k ranks the fp32 product, so products that round together tie", "[reference][gating]") {
+  // 3 (1 + 2^-23) = 3 + 1.5 ulp rounds (to even) to 3 + 2 ulp, the score of
+  // column 1 exactly (ulp = 2^-22 at 3): the exact products differ, the fp32
+  // ones tie, and the tie goes to the lower index.
+  const double ulp = std::ldexp(1.0, -22);
+  const std::vector<double> a{3.0, 3.0 + 2 * ulp};
+  const std::vector<double> g{1.0 + ulp / 2, 1.0};
+  CHECK(reference::score(a[0], g[0]) == reference::score(a[1], g[1]));
+  CHECK(a[0] * g[0] < a[1] * g[1]);
+  const auto r = reference::activation_topk(view::contiguous(a.data(), 1, 2), std::span<const double>(g), {}, 1);
+  CHECK(row_indices(r, 0) == std::vector<std::int32_t>{0});
+}
+
 TEST_CASE("activation top-k: NaN ranks last, per-row K (0 included) and thresholds", "[reference][gating]") {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const std::vector<double> a{nan, 1, -2, 0, 3, 0, -1, 2};  // two rows of four
@@ -81,7 +94,9 @@ TEST_CASE("activation top-k and the gated GEMV match brute force on random rows"
     // Brute force: sort columns by score (desc), index (asc); keep k.
     std::vector<std::int32_t> order(static_cast<std::size_t>(n));
     for (std::int32_t i = 0; i < n; ++i) order[static_cast<std::size_t>(i)] = i;
-    auto score = [&](std::int32_t i) { return std::abs(a[static_cast<std::size_t>(row * n + i)]) * g[static_cast<std::size_t>(i)]; };
+    auto score = [&](std::int32_t i) {
+      return std::abs(static_cast<float>(a[static_cast<std::size_t>(row * n + i)])) * static_cast<float>(g[static_cast<std::size_t>(i)]);
+    };
     std::stable_sort(order.begin(), order.end(), [&](auto x, auto y2) { return score(x) > score(y2); });
     std::vector<std::int32_t> kept(order.begin(), order.begin() + k[static_cast<std::size_t>(row)]);
     std::sort(kept.begin(), kept.end());
@@ -119,6 +134,8 @@ TEST_CASE("activation top-k rejects bad input", "[reference][gating][errors]") {
   // Columns past int32: rejected before anything is read (the view is never dereferenced).
   const auto wide = view::contiguous(a.data(), 1, std::int64_t{1} << 31);
   CHECK_THROWS_WITH(reference::activation_topk(wide, std::span<const double>(g), {}, 2), Catch::Contains("2^31"));
+  CHECK_THROWS_WITH(reference::activation_topk_threshold(v, std::span<const double>(g), std::nanf(""), 2),
+                    Catch::Contains("NaN"));
   const std::vector<double> w(12, 1.0);
   const auto r = reference::activation_topk(v, std::span<const double>(g), {}, 2);
   CHECK_THROWS_WITH(reference::gated_gemv(view::contiguous(w.data(), 4, 3), r), Catch::Contains("columns"));

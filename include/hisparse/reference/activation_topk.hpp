@@ -7,7 +7,14 @@
 // only the kept columns of W: y = W[:, idx] vals. The oracle the GPU
 // kernels are tested against; it ranks as select_top_k does (NaN below
 // every number, ties to the lower index) and indexes in 64 bits.
+//
+// The score is the fp32 product fl32(|a| g) of the fp32 values of a and g
+// (what a user computes in fp32, and what the GPU computes), so GPU and
+// reference rank the same numbers and their kept sets are equal bit for bit;
+// ranking the exact product instead would order differently the pairs whose
+// fp32 products round to one value.
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <span>
@@ -32,6 +39,13 @@ struct gated_rows {
   [[nodiscard]] std::int64_t rows() const { return static_cast<std::int64_t>(counts.size()); }
 };
 
+/// A column's score: fl32(|a| g), one fp32 rounding, as the GPU computes it.
+template <class T, class G>
+[[nodiscard]] inline float score(T a, G g) {
+  static_assert(FLT_EVAL_METHOD == 0, "the score must be rounded to fp32 once");
+  return std::fabs(to_float(a)) * to_float(g);
+}
+
 namespace detail {
 
 template <class T, class G>
@@ -51,9 +65,9 @@ void gate_row(const tensor_view<const T, 2>& a, std::span<const G> gate, std::in
   std::vector<double> scores;
   std::vector<std::int32_t> ids;
   for (std::int64_t i = 0; i < a.extent(1); ++i) {
-    const double s = std::abs(to_double(a(r, i))) * static_cast<double>(gate[static_cast<std::size_t>(i)]);
+    const float s = score(a(r, i), gate[static_cast<std::size_t>(i)]);
     if (!keep(s)) continue;
-    scores.push_back(s);
+    scores.push_back(static_cast<double>(s));
     ids.push_back(static_cast<std::int32_t>(i));
   }
   const scored_selection sel = select_top_k(scores, ids, k);
@@ -93,20 +107,21 @@ template <class T, class G>
     if (kr < 0 || kr > k_max)
       throw error(status::invalid_argument, "activation_topk: row " + std::to_string(r) + "'s K " +
                                                 std::to_string(kr) + " must be in [0, k_max]");
-    detail::gate_row(a, gate, r, kr, [](double) { return true; }, g);
+    detail::gate_row(a, gate, r, kr, [](float) { return true; }, g);
   }
   return g;
 }
 
-/// Row r keeps the columns whose |A_ri| g_i is at least `threshold` (never
-/// a NaN), the k_max best of them where there are more.
+/// Row r keeps the columns whose score is at least `threshold` (never a
+/// NaN), the k_max best of them where there are more.
 template <class T, class G>
 [[nodiscard]] gated_rows activation_topk_threshold(const tensor_view<const T, 2>& a, std::span<const G> gate,
-                                                   double threshold, int k_max) {
+                                                   float threshold, int k_max) {
   detail::check_gating(a, gate, k_max);
+  if (std::isnan(threshold)) throw error(status::invalid_argument, "activation_topk: the threshold is NaN");
   gated_rows g = detail::empty_rows(a, k_max);
   for (std::int64_t r = 0; r < a.extent(0); ++r)
-    detail::gate_row(a, gate, r, k_max, [threshold](double s) { return s >= threshold; }, g);
+    detail::gate_row(a, gate, r, k_max, [threshold](float s) { return s >= threshold; }, g);
   return g;
 }
 
