@@ -1,7 +1,12 @@
-// batched_topk's host side needs no device: the temp-size query and every
-// argument check answer before any CUDA call, so they are CPU tests.
+// The host side of batched_topk, activation_topk and gated_gemv needs no
+// device: the temp-size queries and every argument check answer before any
+// CUDA call, so they are CPU tests.
 #include <catch2/catch.hpp>
 
+#include <cmath>
+#include <string>
+
+#include "hisparse/select/activation_topk.cuh"
 #include "hisparse/select/batched_topk.cuh"
 #include "hisparse/select/topk.cuh"
 
@@ -44,4 +49,49 @@ TEST_CASE("batched_topk rejects bad arguments before touching the device", "[sel
   CHECK(select::batched_topk(&dummy, one, nullptr, 16, nullptr, 4, 16, 4, &dummy, nullptr) ==
         status::invalid_argument);
   CHECK_THAT(last_error(), Catch::Contains("null"));
+}
+
+TEST_CASE("activation_topk and gated_gemv reject bad arguments before touching the device", "[select][gating][errors]") {
+  // Never dereferenced: every call below fails its checks first.
+  auto* a = reinterpret_cast<const __half*>(std::uintptr_t{256});
+  auto* gate = reinterpret_cast<const float*>(std::uintptr_t{512});
+  auto* idx = reinterpret_cast<std::int32_t*>(std::uintptr_t{1024});
+  auto* vals = reinterpret_cast<__half*>(std::uintptr_t{2048});
+  auto* counts = reinterpret_cast<std::int32_t*>(std::uintptr_t{4096});
+  using select::gating_rule;
+  auto call = [&](int rows, int n, std::int64_t stride, int k_max, gating_rule rule, float t, const std::int32_t* k,
+                  const __half* a_ptr = nullptr) {
+    return select::activation_topk(a_ptr == nullptr ? a : a_ptr, stride, gate, rows, n, rule, k, t, k_max, idx, vals,
+                                   counts);
+  };
+  auto fails = [](status s, const char* why) {
+    CHECK(s == status::invalid_argument);
+    CHECK_THAT(last_error(), Catch::Contains(why));
+  };
+  fails(call(0, 8, 8, 2, gating_rule::top_k, 0, nullptr), "rows >= 1");
+  fails(call(1, 0, 8, 2, gating_rule::top_k, 0, nullptr), "n >= 1");
+  fails(call(1, (1 << 30) + 1, std::int64_t{1} << 31, 2, gating_rule::top_k, 0, nullptr), "2^30");
+  fails(call(1, 8, 7, 2, gating_rule::top_k, 0, nullptr), "row_stride");
+  fails(call(1, 8, 8, 0, gating_rule::top_k, 0, nullptr), "k_max");
+  fails(call(1, 8, 8, 9, gating_rule::top_k, 0, nullptr), "k_max");
+  fails(call(1, 8, 8, 2, gating_rule::threshold, std::nanf(""), nullptr), "NaN");
+  fails(call(1, 8, 8, 2, gating_rule::threshold, 1.0f, counts), "per-row K");
+  CHECK(select::activation_topk<__half, float>(nullptr, 8, gate, 1, 8, gating_rule::top_k, nullptr, 0, 2, idx, vals,
+                                               counts) == status::invalid_argument);
+
+  auto* w = reinterpret_cast<const __half*>(std::uintptr_t{8192});
+  auto* y = reinterpret_cast<float*>(std::uintptr_t{16384});
+  std::size_t bytes = 0;
+  auto gemv = [&](void* temp, std::size_t& b, std::int64_t ld, int n, int outs, int k_max, int rows) {
+    return select::gated_gemv<__half, __half>(temp, b, w, ld, n, outs, idx, vals, k_max, counts, rows, y);
+  };
+  fails(gemv(nullptr, bytes, 8, 8, 8, 2, 0), "rows");
+  fails(gemv(nullptr, bytes, 8, 8, 8, 2, 9), "rows");
+  fails(gemv(nullptr, bytes, 7, 8, 8, 2, 1), "ld_w");
+  fails(gemv(nullptr, bytes, 8, 8, 8, 9, 1), "k_max");
+  // The query: one fp32 partial per (column range of 128, row, output).
+  REQUIRE(gemv(nullptr, bytes, 4096, 14336, 4096, 7168, 8) == status::success);
+  CHECK(bytes == std::size_t{112} * 8 * 4096 * sizeof(float));
+  std::size_t short_bytes = bytes - 1;
+  fails(gemv(reinterpret_cast<void*>(std::uintptr_t{32768}), short_bytes, 4096, 14336, 4096, 7168, 8), "smaller");
 }

@@ -19,6 +19,7 @@
 #include "hisparse/kv/page_pool.hpp"
 #include "hisparse/kv/paged_kv_cache.cuh"
 #include "hisparse/kv/paged_kv_ref.hpp"
+#include "hisparse/select/activation_topk.cuh"
 #include "hisparse/select/batched_topk.cuh"
 #include "hisparse/select/decode_selection.cuh"
 #include "hisparse/select/prefill_selection.cuh"

@@ -52,6 +52,16 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }
 
+/// 16 read-only bytes that skip L1 (L2 keeps them as usual): a stream read
+/// once per pass leaves L1 to data many CTAs share.
+__device__ __forceinline__ uint4 ld_nc_no_l1(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 /// Two 32-bit words to a shared-memory address in one store.
 __device__ __forceinline__ void st_shared_v2(unsigned addr, unsigned a, unsigned b) {
   asm("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(addr), "r"(a), "r"(b) : "memory");
