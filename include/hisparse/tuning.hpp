@@ -46,9 +46,11 @@ HISPARSE_HOST_DEVICE constexpr int topk_min_blocks_per_sm() {
 // ---- Activation top-k and the gated GEMV (select/activation_topk.cuh) -----
 /// Threads a row: 2048 columns a step, 7 steps for n = 14336.
 inline constexpr int kGateThreads = 256;
-/// CTAs an SM the gating kernel is compiled for (64 registers).
+/// CTAs an SM the gating kernel is compiled for: 64 registers, no spills (3
+/// measured 4% slower) (PERF_NOTES: activation top-k).
 inline constexpr int kGateMinBlocksPerSm = 4;
-/// Steps of 2048 columns whose loads a thread issues together (16 registers).
+/// Steps of 2048 columns whose loads a thread issues together (16
+/// registers): 453 -> 424 us with two-bit rounds (PERF_NOTES: activation top-k).
 inline constexpr int kGateBatch = 4;
 /// Sampled columns a thread (1024 a row): the bracket's margin of four
 /// standard deviations then holds ~11% of a row at K = n / 4.
@@ -57,7 +59,8 @@ inline constexpr int kGateSamplePerThread = 4;
 /// columns at K = n / 4 stay on the fast path.
 inline constexpr int kGateCandidates = 8192;
 /// Gated GEMV: threads a CTA (8 outputs each), columns of a CTA's range,
-/// and columns of W a thread has in flight.
+/// and columns of W a thread has in flight (twice that for 1-2 rows); not
+/// swept.
 inline constexpr int kGemvThreads = 128;
 inline constexpr int kGemvColumns = 128;
 inline constexpr int kGemvUnroll = 8;
