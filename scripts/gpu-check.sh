@@ -69,6 +69,16 @@ if [[ bench_topk =~ ${HISPARSE_BENCH:-.} ]] && [ -x build/h200/bench/bench_topk 
   fi
 fi
 
+# torch.topk on bench_gating's activation shapes.
+if [[ bench_gating =~ ${HISPARSE_BENCH:-.} ]] && [ -x build/h200/bench/bench_gating ]; then
+  if python3 scripts/torch_gating.py "$out/torch_gating.json" >"$scratch/torch_gating.txt" 2>&1; then
+    summary+=("torch_gating: done")
+    cat "$scratch/torch_gating.txt"
+  else
+    summary+=("torch_gating: FAILED")
+  fi
+fi
+
 echo "== $(date +%T) sanitizers =="
 # Sanitizers last: the slowest part, and the results above are already saved.
 # compute-sanitizer over every test binary that has GPU tests, one process
