@@ -130,5 +130,5 @@ echo
 echo "== benchmark rows =="
 for f in "$scratch"/bench_*.txt; do grep -h '^BM_' "$f" | cut -c1-160; done
 echo
-echo "== gpu-check summary ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), ${HISPARSE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}) =="
+echo "== gpu-check summary ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), ${HISPARSE_BUILD_COMMIT:-${HISPARSE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}}) =="
 printf '%s\n' "${summary[@]}"
