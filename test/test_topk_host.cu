@@ -89,6 +89,8 @@ TEST_CASE("activation_topk and gated_gemv reject bad arguments before touching t
   fails(gemv(nullptr, bytes, 8, 8, 8, 2, 9), "rows");
   fails(gemv(nullptr, bytes, 7, 8, 8, 2, 1), "ld_w");
   fails(gemv(nullptr, bytes, 8, 8, 8, 9, 1), "k_max");
+  fails(gemv(nullptr, bytes, 8, 65535 * 128 + 1, 8, 2, 1), "65535 ranges");  // the grid's y limit
+  REQUIRE(gemv(nullptr, bytes, 8, 65535 * 128, 8, 2, 1) == status::success);
   // The query: one fp32 partial per (column range of 128, row, output).
   REQUIRE(gemv(nullptr, bytes, 4096, 14336, 4096, 7168, 8) == status::success);
   CHECK(bytes == std::size_t{112} * 8 * 4096 * sizeof(float));

@@ -684,7 +684,9 @@ template <class T, class G>
 /// activation_topk writes them); columns a row keeps are each read once
 /// for the whole batch, so the gain over the dense GEMV is n / (the
 /// columns any row keeps). Deterministic: partial sums per column range
-/// are added in a fixed order.
+/// are added in a fixed order. W must be finite: a row also multiplies the
+/// columns only other rows kept, by zero, so an infinite or NaN weight
+/// there would make its output NaN where the reference's is finite.
 ///
 /// CUB-style two-phase temporary storage: with temp == nullptr, only sets
 /// temp_bytes and returns. Capturable.
@@ -699,6 +701,9 @@ template <class T, class W>
   if (ld_w < outs) return bad("ld_w must be >= outs");
   if (k_max < 1 || k_max > n) return bad("k_max must be in [1, n]");
   const int ranges = detail::gemv_ranges(n);
+  if (ranges > 65535)  // the column ranges are the grid's y dimension
+    return bad("n " + std::to_string(n) + " exceeds " + std::to_string(65535 * detail::kGemvColumns) +
+               " columns (65535 ranges of " + std::to_string(detail::kGemvColumns) + ")");
   const std::size_t needed = static_cast<std::size_t>(ranges) * rows * outs * sizeof(float);
   if (temp == nullptr) {
     temp_bytes = needed;
