@@ -1,0 +1,135 @@
+"""PagedKVCache: the library's paged KV cache and its planned decode step,
+owned by a Python object. Setup (create, add and free sequences) is plain
+Python over a small C interface; the per-step work (append, decode) is two
+torch ops, so a step traces under torch.compile and replays from a CUDA graph.
+"""
+import ctypes
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from . import _library_path
+
+# The built-in presets (include/hisparse/config.hpp) and their slice/block
+# sizes: a cache serves the presets whose sizes match its own.
+PRESETS = {
+    "standard": (64, 1024),
+    "high_recall": (64, 1024),
+    "short_context": (32, 512),
+    "standard_bf16_summaries": (64, 1024),
+    "standard_key_bounds": (64, 1024),
+}
+_FINE_SUMMARIES = {"mean": 0, "mean_bf16": 1, "key_bounds": 2}
+_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
+
+# The overloads themselves: resolving them per call costs host time.
+_append = torch.ops.hisparse.cache_append.default
+_decode = torch.ops.hisparse.cache_decode.default
+
+_c = ctypes.CDLL(_library_path)
+_c.hisparse_last_error.restype = ctypes.c_char_p
+_c.hisparse_cache_create.restype = ctypes.c_int64
+_c.hisparse_cache_create.argtypes = [ctypes.c_int] * 7 + [ctypes.c_int64] + [ctypes.c_int] * 4
+_c.hisparse_cache_destroy.argtypes = [ctypes.c_int64]
+_c.hisparse_cache_add_sequence.argtypes = [ctypes.c_int64, ctypes.c_int64]
+_c.hisparse_cache_free_sequence.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+_c.hisparse_cache_length.restype = ctypes.c_int64
+_c.hisparse_cache_length.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+
+
+def _checked(result):
+    if result < 0:
+        raise RuntimeError("hisparse: " + _c.hisparse_last_error().decode())
+    return result
+
+
+class PagedKVCache:
+    """K/V pages of ``fine_slice`` tokens for ``max_sequences`` sequence
+    slots of ``num_layers`` layers, with the summaries the selection reads,
+    and the sparse decode step planned for every batch up to max_sequences.
+
+    Memory comes from a stream-ordered pool of the library's own on
+    ``device`` (not torch's caching allocator), grown page by page as
+    sequences grow; ``close()`` (or the end of the object) gives it back.
+
+    ``lengths`` is a [max_sequences, num_layers] int32 tensor on the device:
+    the tokens each (sequence, layer) holds, written by ``append``.
+    """
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_q_heads: int,
+                 max_sequences: int, max_context: int, dtype: torch.dtype = torch.bfloat16,
+                 device=None, fine_slice: int = 64, coarse_block: int = 1024,
+                 fine_summary: str = "mean", topk_cache_slices: int = 0):
+        if dtype not in _DTYPES:
+            raise ValueError(f"hisparse.PagedKVCache: dtype must be bfloat16 or float16, not {dtype}")
+        if fine_summary not in _FINE_SUMMARIES:
+            raise ValueError(f"hisparse.PagedKVCache: fine_summary must be one of {sorted(_FINE_SUMMARIES)}")
+        device = torch.device(device if device is not None else "cuda")
+        if device.type != "cuda":
+            raise ValueError("hisparse.PagedKVCache: the cache lives on a CUDA device")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._handle = -1
+        self.device, self.dtype = device, dtype
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.num_q_heads, self.max_sequences = num_q_heads, max_sequences
+        self._handle = _checked(_c.hisparse_cache_create(
+            device.index, _DTYPES[dtype], num_layers, num_kv_heads, head_dim, num_q_heads, max_sequences,
+            max_context, fine_slice, coarse_block, _FINE_SUMMARIES[fine_summary], topk_cache_slices))
+        self.lengths = torch.zeros(max_sequences, num_layers, dtype=torch.int32, device=device)
+
+    @property
+    def handle(self) -> int:
+        if self._handle < 0:
+            raise RuntimeError("hisparse.PagedKVCache: the cache is closed")
+        return self._handle
+
+    def add_sequence(self, reserved_length: int) -> int:
+        """Claims a free slot for a sequence of up to ``reserved_length`` tokens."""
+        return _checked(_c.hisparse_cache_add_sequence(self.handle, reserved_length))
+
+    def free_sequence(self, slot: int) -> None:
+        """Gives the slot's pages back, ordered after work queued on the current stream."""
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        _checked(_c.hisparse_cache_free_sequence(self.handle, slot, ctypes.c_void_p(stream)))
+        self.lengths[slot].zero_()
+
+    def length(self, slot: int, layer: int = 0) -> int:
+        """Tokens stored for (slot, layer), from the host's bookkeeping (no sync)."""
+        return _checked(_c.hisparse_cache_length(self.handle, slot, layer))
+
+    def append(self, layer: int, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor,
+               counts: Optional[Sequence[int]] = None) -> None:
+        """Appends rows of k and v ([rows, kv_heads, head_dim], the cache's
+        dtype, contiguous) to the end of each sequence in ``slots`` for
+        ``layer``: ``counts[i]`` rows to slots[i] in order (one row each when
+        counts is None: a decode step). All or nothing."""
+        slots = [int(s) for s in slots]
+        counts = [1] * len(slots) if counts is None else [int(c) for c in counts]
+        _append(self.lengths, self.handle, layer, slots, counts, k, v)
+
+    def decode(self, q: torch.Tensor, slots: torch.Tensor, layer: int = 0, preset: str = "standard"
+               ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One sparse decode step: q [batch, q_heads, head_dim] (the cache's
+        dtype), slots int32 [batch] on the device. Returns (out like q, lse
+        fp32 [batch, q_heads], natural log). No allocation by the library,
+        no sync: capturable in a CUDA graph."""
+        return _decode(self.lengths, self.handle, layer, q, slots, preset)
+
+    def close(self) -> None:
+        """Frees the cache's memory (after its last queued work). Safe to call twice."""
+        if self._handle >= 0:
+            handle, self._handle = self._handle, -1
+            _checked(_c.hisparse_cache_destroy(handle))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,210 @@
+"""PagedKVCache and the decode op against the float64 contract (contract.py)
+and, where everything is kept, against PyTorch's dense SDPA. GPU only."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hisparse
+from conftest import needs_cuda
+import contract
+
+pytestmark = needs_cuda
+ops = torch.ops.hisparse
+
+# (window, coarse_block, fine_slice, top_k_coarse, top_k_fine) of the presets (config.hpp)
+CONFIGS = {"standard": (512, 1024, 64, 32, 16), "high_recall": (512, 1024, 64, 64, 32),
+           "short_context": (256, 512, 32, 32, 16)}
+ATOL = 1e-5
+
+
+def filled_cache(lengths, *, hq=32, hkv=8, dim=128, dtype=torch.bfloat16, preset="standard", layers=1, seed=0):
+    """A cache holding random K/V for each length, appended the way an engine
+    does: the prompt in two chunks, then single-token decode appends."""
+    _, block, fine, _, _ = CONFIGS[preset]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    cache = hisparse.PagedKVCache(num_layers=layers, num_kv_heads=hkv, head_dim=dim, num_q_heads=hq,
+                                  max_sequences=len(lengths), max_context=max(lengths) + 64, dtype=dtype,
+                                  fine_slice=fine, coarse_block=block)
+    slots = [cache.add_sequence(n + 64) for n in lengths]
+    keys = [torch.rand(n, hkv, dim, device="cuda", generator=gen, dtype=torch.float32).sub_(0.5).to(dtype)
+            for n in lengths]
+    values = [torch.rand(n, hkv, dim, device="cuda", generator=gen, dtype=torch.float32).sub_(0.5).to(dtype)
+              for n in lengths]
+    tail = [min(3, n - 1) for n in lengths]  # tokens appended one at a time at the end
+    chunks = [[(0, (n - t) // 2), ((n - t) // 2, n - t)] for n, t in zip(lengths, tail)]
+    for layer in range(layers):
+        for c in range(2):
+            part = [(i, *chunks[i][c]) for i in range(len(lengths)) if chunks[i][c][1] > chunks[i][c][0]]
+            cache.append(layer, [slots[i] for i, _, _ in part],
+                         torch.cat([keys[i][a:b] for i, a, b in part]),
+                         torch.cat([values[i][a:b] for i, a, b in part]), counts=[b - a for _, a, b in part])
+        for step in range(max(tail)):
+            rows = [i for i, t in enumerate(tail) if step < t]
+            pos = [lengths[i] - tail[i] + step for i in rows]
+            cache.append(layer, [slots[i] for i in rows], torch.stack([keys[i][p] for i, p in zip(rows, pos)]),
+                         torch.stack([values[i][p] for i, p in zip(rows, pos)]))
+    return cache, slots, keys, values
+
+
+def check_against_contract(out, lse, keys, values, q, cfg):
+    for b in range(q.shape[0]):
+        ref, ref_lse, naive = contract.decode(keys[b], values[b], q[b], cfg, low_precision=q.dtype)
+        err = (out[b].double() - ref).abs().max().item()
+        err_naive = (naive - ref).abs().max().item()
+        assert err <= 2 * err_naive + ATOL, f"sequence {b}: |out - ref| {err:.3g}, naive {err_naive:.3g}"
+        assert (lse[b].double() - ref_lse).abs().max().item() <= 1e-4 * ref_lse.abs().max().item() + 1e-5
+
+
+@pytest.mark.parametrize("preset,lengths", [
+    ("standard", [1, 300, 1500, 5000, 40000, 70001]),  # T < W, one token, partial slices, > 32 blocks
+    ("high_recall", [2048, 100000]),
+    ("short_context", [777, 20000, 33333]),
+])
+def test_decode_matches_contract(preset, lengths):
+    cache, slots, keys, values = filled_cache(lengths, preset=preset, seed=len(lengths))
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q = (torch.rand(len(lengths), 32, 128, device="cuda", generator=gen) * 8 - 4).bfloat16()
+    slots_t = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    assert cache.lengths[slots_t, 0].tolist() == lengths
+    out, lse = cache.decode(q, slots_t, 0, preset)
+    check_against_contract(out, lse, keys, values, q, CONFIGS[preset])
+    cache.close()
+
+
+@pytest.mark.parametrize("hq,hkv,dim,dtype", [(8, 8, 64, torch.float16), (32, 4, 128, torch.bfloat16),
+                                               (16, 2, 256, torch.bfloat16)])
+def test_decode_gqa_ratios_head_dims_dtypes(hq, hkv, dim, dtype):
+    lengths = [4000, 35000]
+    cache, slots, keys, values = filled_cache(lengths, hq=hq, hkv=hkv, dim=dim, dtype=dtype, seed=hq + dim)
+    q = (torch.rand(2, hq, dim, device="cuda") * 8 - 4).to(dtype)
+    slots_t = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    out, lse = cache.decode(q, slots_t)
+    check_against_contract(out, lse, keys, values, q, CONFIGS["standard"])
+
+
+def test_decode_keep_everything_is_dense_sdpa():
+    """Short contexts keep every far slice, so the step is dense attention."""
+    lengths = [1, 700, 1500]
+    cache, slots, keys, values = filled_cache(lengths, seed=3)
+    q = (torch.rand(3, 32, 128, device="cuda") * 8 - 4).bfloat16()
+    out, _ = cache.decode(q, torch.tensor(slots, dtype=torch.int32, device="cuda"))
+    for b, n in enumerate(lengths):
+        ref = F.scaled_dot_product_attention(q[b:b + 1].double().unsqueeze(2),  # [1, hq, 1, d]
+                                             keys[b].double().permute(1, 0, 2).unsqueeze(0),
+                                             values[b].double().permute(1, 0, 2).unsqueeze(0),
+                                             enable_gqa=True).squeeze(2)[0]
+        assert (out[b].double() - ref).abs().max().item() < 1e-2
+
+
+def test_decode_batch_subsets_and_order():
+    """Any subset of the slots, in any order, gives each row its own sequence's step."""
+    lengths = [3000, 9000, 20000]
+    cache, slots, keys, values = filled_cache(lengths, seed=11)
+    q = (torch.rand(3, 32, 128, device="cuda") * 8 - 4).bfloat16()
+    full, _ = cache.decode(q, torch.tensor(slots, dtype=torch.int32, device="cuda"))
+    order = [2, 0]
+    part, _ = cache.decode(q[order].contiguous(), torch.tensor([slots[i] for i in order], dtype=torch.int32,
+                                                              device="cuda"))
+    assert torch.equal(part, full[order])
+
+
+def test_append_and_decode_errors():
+    cache, slots, _, _ = filled_cache([2000], seed=1)
+    q = torch.rand(1, 32, 128, device="cuda").bfloat16()
+    s = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="unknown preset name"):
+        cache.decode(q, s, 0, "nonsense")
+    with pytest.raises(RuntimeError, match="cannot serve preset 'short_context'"):
+        cache.decode(q, s, 0, "short_context")
+    with pytest.raises(RuntimeError, match="q must be bfloat16"):
+        cache.decode(q.half(), s)
+    with pytest.raises(RuntimeError, match="slots must be int32"):
+        cache.decode(q, s.long())
+    with pytest.raises(RuntimeError, match="q must be \\[batch, q_heads = 32"):
+        cache.decode(q[:, :8].contiguous(), s)
+    kv = torch.rand(100, 8, 128, device="cuda").bfloat16()
+    with pytest.raises(RuntimeError, match="past its reserved"):
+        cache.append(0, [slots[0]], kv, kv, counts=[100])
+    with pytest.raises(RuntimeError, match="unknown sequence id 5"):
+        cache.append(0, [5], kv[:1], kv[:1])
+    with pytest.raises(RuntimeError, match="add up to"):
+        cache.append(0, [slots[0]], kv[:3], kv[:3], counts=[2])
+    assert cache.length(slots[0]) == 2000  # nothing was appended by the failures
+    cache.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        cache.decode(q, s)
+    with pytest.raises(RuntimeError, match="all 1 sequence slots are in use"):
+        c2 = hisparse.PagedKVCache(num_layers=1, num_kv_heads=8, head_dim=128, num_q_heads=32, max_sequences=1,
+                                   max_context=100)
+        c2.add_sequence(50)
+        c2.add_sequence(50)
+
+
+def test_free_sequence_reuses_the_slot():
+    cache, slots, _, _ = filled_cache([5000, 6000], seed=2)
+    cache.free_sequence(slots[0])
+    assert cache.lengths[slots[0], 0].item() == 0
+    again = cache.add_sequence(100)
+    assert again == slots[0]
+    kv = torch.rand(100, 8, 128, device="cuda").bfloat16()
+    cache.append(0, [again], kv, kv, counts=[100])
+    q = torch.rand(1, 32, 128, device="cuda").bfloat16()
+    out, _ = cache.decode(q, torch.tensor([again], dtype=torch.int32, device="cuda"))
+    ref = F.scaled_dot_product_attention(q.double().unsqueeze(2), kv.double().permute(1, 0, 2).unsqueeze(0),
+                                         kv.double().permute(1, 0, 2).unsqueeze(0), enable_gqa=True).squeeze(2)
+    assert (out.double() - ref).abs().max().item() < 1e-2
+
+
+def test_opcheck_cache_ops():
+    cache, slots, _, _ = filled_cache([3000, 12000], seed=4)
+    q = torch.rand(2, 32, 128, device="cuda").bfloat16()
+    s = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    torch.library.opcheck(ops.cache_decode.default, (cache.lengths, cache.handle, 0, q, s, "standard"))
+    kv = torch.rand(2, 8, 128, device="cuda").bfloat16()
+    torch.library.opcheck(ops.cache_append.default, (cache.lengths, cache.handle, 0, slots, [1, 1], kv, kv))
+
+
+def test_compile_fullgraph_step():
+    """Append one token per sequence, then decode: one graph, no breaks, the same result as eager."""
+    lengths = [4000, 30000]
+    eager, slots, _, _ = filled_cache(lengths, seed=6)
+    compiled_cache, _, _, _ = filled_cache(lengths, seed=6)
+    s = torch.tensor(slots, dtype=torch.int32, device="cuda")
+
+    def step(cache, k, v, q):
+        cache.append(0, slots, k, v)
+        return cache.decode(q, s)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    for i in range(3):
+        k = torch.rand(2, 8, 128, device="cuda").bfloat16()
+        v = torch.rand(2, 8, 128, device="cuda").bfloat16()
+        q = torch.rand(2, 32, 128, device="cuda").bfloat16()
+        a = step(eager, k, v, q)
+        b = compiled(compiled_cache, k, v, q)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert torch.equal(eager.lengths, compiled_cache.lengths)
+
+
+def test_cuda_graph_replay_follows_appends():
+    """Planned outside capture, run inside: a replay after more appends attends the new tokens too."""
+    cache, slots, _, _ = filled_cache([5000, 20000], seed=8)
+    s = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    q = (torch.rand(2, 32, 128, device="cuda") * 8 - 4).bfloat16()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        cache.decode(q, s)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, lse = cache.decode(q, s)
+    for _ in range(2):
+        kv = torch.rand(2, 8, 128, device="cuda").bfloat16() * 4
+        cache.append(0, slots, kv, kv)
+        q.copy_((torch.rand(2, 32, 128, device="cuda") * 8 - 4).bfloat16())
+        g.replay()
+        expected = cache.decode(q, s)
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])

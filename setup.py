@@ -1,0 +1,39 @@
+# The PyTorch extension: the library's headers (include/) compiled into
+# hisparse/_C, registered through LibTorch's stable ABI. The C++ core stays
+# header-only and torch-free; only python/ depends on torch.
+import os
+
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+# The architectures the C++ build supports (CMakeLists.txt); set
+# TORCH_CUDA_ARCH_LIST to build fewer (e.g. "9.0a" on an H100/H200 host).
+os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;8.9;9.0a")
+
+here = os.path.dirname(os.path.abspath(__file__))
+nvcc = [
+    "-O3",
+    "-std=c++20",
+    # torch's defaults hide the half and bfloat16 operators the kernels use.
+    "-DUSE_CUDA",  # declares the CUDA part of the stable C shim (the current stream)
+    "-U__CUDA_NO_HALF_OPERATORS__",
+    "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "-U__CUDA_NO_HALF2_OPERATORS__",
+]
+
+setup(
+    packages=["hisparse"],
+    package_dir={"": "python"},
+    ext_modules=[
+        CUDAExtension(
+            "hisparse._C",
+            sources=["python/csrc/select_ops.cu", "python/csrc/cache_ops.cu"],
+            include_dirs=[os.path.join(here, "include")],
+            extra_compile_args={"cxx": ["-O2", "-std=c++20"], "nvcc": nvcc},
+            py_limited_api=True,
+        )
+    ],
+    cmdclass={"build_ext": BuildExtension},
+    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+)
