@@ -648,8 +648,14 @@ class paged_kv_cache {
     // Wait for the last launch, then free on the default stream: the stream
     // of that launch may already be destroyed (its handle is not used here).
     if (last_launch_ != nullptr) (void)cudaEventSynchronize(last_launch_);
+    // No caller to report to (a destructor): a buffer the resource refuses
+    // to take back, e.g. after a device-side fault, is dropped, not thrown
+    // through noexcept into std::terminate (page_pool does the same).
     auto give = [&](auto*& p, std::size_t bytes) {
-      if (p != nullptr) resource_->deallocate(p, bytes, nullptr);
+      try {
+        if (p != nullptr) resource_->deallocate(p, bytes, nullptr);
+      } catch (...) {
+      }
       p = nullptr;
     };
     give(page_table_, table_bytes_);

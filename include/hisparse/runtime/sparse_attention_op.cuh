@@ -68,7 +68,12 @@ class sparse_attention_op {
   sparse_attention_op() = default;
   sparse_attention_op(const sparse_attention_op&) = delete;
   sparse_attention_op& operator=(const sparse_attention_op&) = delete;
-  ~sparse_attention_op() { release(); }
+  ~sparse_attention_op() {
+    try {
+      release();
+    } catch (...) {  // a destructor cannot report a refused free (see paged_kv_cache::release)
+    }
+  }
 
   /// Plans every usable preset for every batch size up to max_batch and
   /// allocates the one workspace they share. Fails without side effects.
