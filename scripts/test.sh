@@ -31,4 +31,19 @@ cmake -S examples/consumer -B build/consumer -DCMAKE_PREFIX_PATH="$prefix" -DCMA
 cmake --build build/consumer -j "$jobs"
 ./build/consumer/consumer
 ./build/consumer/consumer_decode  # a GPU decode step; says "skipped" without a device
-echo "scripts/test.sh: all CPU tests passed; consumers built against the installed package"
+
+# The PyTorch package (python/): built in place for one architecture (the
+# library's kernels were compiled for all of them above; this proves the
+# bindings) and its CPU tests run: import, argument checks, the CPU and fake
+# kernels, opcheck, torch.compile. Needs an interpreter with torch:
+# HISPARSE_PYTHON, else python3; without one the step says it is skipped.
+py=${HISPARSE_PYTHON:-python3}
+if "$py" -c "import torch, pytest" 2>/dev/null; then
+  TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0} MAX_JOBS=$jobs "$py" setup.py -q build_ext --inplace >/dev/null
+  PYTHONPATH=python "$py" -m pytest -q -p no:cacheprovider python/tests
+  python_note="python tests passed (GPU ones skipped without a device)"
+else
+  python_note="python tests SKIPPED: no interpreter with torch and pytest (set HISPARSE_PYTHON)"
+  echo "scripts/test.sh: $python_note"
+fi
+echo "scripts/test.sh: all CPU tests passed; consumers built against the installed package; $python_note"
