@@ -103,12 +103,15 @@ def kept_slices(torch, k, q):
 
 
 def commit():
+    """HISPARSE_BUILD_COMMIT where set (a copied tree's .git may be stale), else git's HEAD."""
+    if os.environ.get("HISPARSE_BUILD_COMMIT"):
+        return os.environ["HISPARSE_BUILD_COMMIT"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         return subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True).stdout.strip() or os.environ.get("HISPARSE_BUILD_COMMIT", "unknown")
+                              text=True).stdout.strip() or "unknown"
     except OSError:
-        return os.environ.get("HISPARSE_BUILD_COMMIT", "unknown")
+        return "unknown"
 
 
 def driver():

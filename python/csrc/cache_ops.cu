@@ -135,12 +135,12 @@ cache_base& find(std::int64_t handle, const char* op) {
 }
 
 preset_id preset_named(const std::string& name) {
-  static const preset_registry presets;
-  try {
-    return presets.find(name);
-  } catch (const error& e) {
-    STD_TORCH_CHECK(false, "hisparse.cache_decode: ", e.what());
-  }
+  static const std::vector<std::pair<preset_id, std::string>> presets = preset_registry{}.list();
+  for (const auto& [id, n] : presets)
+    if (n == name) return id;
+  std::string known;
+  for (const auto& [id, n] : presets) known += (known.empty() ? "" : ", ") + n;
+  STD_TORCH_CHECK(false, "hisparse.cache_decode: unknown preset name '", name, "' (known: ", known, ")");
   return preset_id::standard;
 }
 
