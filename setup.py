@@ -2,6 +2,8 @@
 # hisparse/_C, registered through LibTorch's stable ABI. The C++ core stays
 # header-only and torch-free; only python/ depends on torch.
 import os
+import shutil
+import sysconfig
 
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CUDAExtension
@@ -21,6 +23,14 @@ nvcc = [
     "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
     "-U__CUDA_NO_HALF2_OPERATORS__",
 ]
+
+# nvcc's host compiler is the one that links the extension. torch would pass
+# $CC instead; where CC names another toolchain than the linker's (the GPU
+# host sets CC=/opt/gcc/bin/gcc, and links with the system c++), the built
+# extension crashed on the first exception an op threw.
+linker = (os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++").split()[0]
+if shutil.which(linker):
+    nvcc += ["-ccbin", shutil.which(linker)]
 
 setup(
     packages=["hisparse"],
