@@ -25,40 +25,11 @@ import subprocess
 import sys
 import time
 
+from torch_decode import graphed, timed  # the same timing as the PyTorch decode baselines
+
 B, HQ, HKV, D, T = 8, 32, 8, 128, 262144
 C, F, KC, KF, W = 1024, 64, 32, 16, 512
-WARMUP, ITERATIONS = 5, 50
-
-
-def timed(torch, fn, flush=None):
-    """Median of CUDA-event timings of fn() after warm-up, in us."""
-    for _ in range(WARMUP):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(ITERATIONS):
-        if flush is not None:
-            flush.add_(1)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
-
-
-def graphed(torch, fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
+ITERATIONS = 50
 
 
 def host_us(torch, fn, calls=200):
@@ -157,8 +128,8 @@ def main():
     results = {}
     for name, fn in (("hisparse", sparse), ("sdpa_dense", dense)):
         replay = graphed(torch, fn)
-        results[name] = {"eager_us": timed(torch, fn), "graph_us": timed(torch, replay),
-                         "graph_cold_us": timed(torch, replay, flush)}
+        results[name] = {"eager_us": timed(torch, fn, ITERATIONS), "graph_us": timed(torch, replay, ITERATIONS),
+                         "graph_cold_us": timed(torch, replay, ITERATIONS, flush)}
 
     # FlexAttention over the same attended set.
     kept, ws = kept_slices(torch, k, q)
@@ -181,7 +152,7 @@ def main():
         flexed()
         torch.cuda.synchronize()
         err = (out_f.view(B, HQ, D).float() - out_h.float()).abs().max().item()
-        results["flex_block_sparse"] = {"eager_us": timed(torch, flexed), "max_abs_diff_vs_hisparse": err}
+        results["flex_block_sparse"] = {"eager_us": timed(torch, flexed, ITERATIONS), "max_abs_diff_vs_hisparse": err}
     except Exception as e:  # report, never hide, a FlexAttention failure
         results["flex_block_sparse"] = {"error": f"{type(e).__name__}: {e}"[:500]}
 

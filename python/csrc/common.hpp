@@ -82,4 +82,14 @@ decltype(auto) with_half_type(ScalarType t, const char* op, F&& f) {
   return f(static_cast<__half*>(nullptr));
 }
 
+/// Calls f with null pointers of the activation type (fp16/bf16) and the
+/// gate type (fp32/fp16/bf16) of activation top-k gating.
+template <class F>
+void with_gating_types(ScalarType a, ScalarType gate, const char* op, F&& f) {
+  with_half_type(a, op, [&](auto* t) {
+    if (gate == ScalarType::Float) return f(t, static_cast<float*>(nullptr));
+    return with_half_type(gate, op, [&](auto* g) { return f(t, g); });
+  });
+}
+
 }  // namespace hisparse::torch_ops

@@ -136,20 +136,16 @@ std::tuple<Tensor, Tensor, Tensor> activation_topk_cuda(Tensor a, Tensor gate, s
   const cudaStream_t stream = current_stream(a);
   const auto rule = threshold ? select::gating_rule::threshold : select::gating_rule::top_k;
   const std::int64_t stride = rows == 1 ? n : a.stride(0);
-  with_half_type(a.scalar_type(), "activation_topk", [&](auto* t) {
+  with_gating_types(a.scalar_type(), gate.scalar_type(), "activation_topk", [&](auto* t, auto* g) {
     using T = std::remove_pointer_t<decltype(t)>;
-    auto launch = [&](auto* g) {
-      using G = std::remove_pointer_t<decltype(g)>;
-      check(select::activation_topk<T, G>(
-                data<const T>(a), stride, data<const G>(gate), static_cast<int>(rows), static_cast<int>(n), rule,
-                k_per_row ? data<const std::int32_t>(*k_per_row) : nullptr,
-                threshold ? static_cast<float>(*threshold) : 0.0f, static_cast<int>(k_max),
-                data<std::int32_t>(std::get<0>(out)), data<T>(std::get<1>(out)), data<std::int32_t>(std::get<2>(out)),
-                stream),
-            "activation_topk");
-    };
-    if (gate.scalar_type() == ScalarType::Float) return launch(static_cast<float*>(nullptr));
-    return with_half_type(gate.scalar_type(), "activation_topk", launch);
+    using G = std::remove_pointer_t<decltype(g)>;
+    check(select::activation_topk<T, G>(
+              data<const T>(a), stride, data<const G>(gate), static_cast<int>(rows), static_cast<int>(n), rule,
+              k_per_row ? data<const std::int32_t>(*k_per_row) : nullptr,
+              threshold ? static_cast<float>(*threshold) : 0.0f, static_cast<int>(k_max),
+              data<std::int32_t>(std::get<0>(out)), data<T>(std::get<1>(out)), data<std::int32_t>(std::get<2>(out)),
+              stream),
+          "activation_topk");
   });
   return out;
 }
@@ -175,18 +171,14 @@ std::tuple<Tensor, Tensor, Tensor> activation_topk_cpu(Tensor a, Tensor gate, st
   const auto [rows, n] = check_gating(a, gate, k_max, k_per_row, threshold);
   auto out = gating_outputs(a, rows, k_max);
   if (rows == 0) return out;
-  with_half_type(a.scalar_type(), "activation_topk", [&](auto* t) {
+  with_gating_types(a.scalar_type(), gate.scalar_type(), "activation_topk", [&](auto* t, auto* g) {
     using T = std::remove_pointer_t<decltype(t)>;
-    auto run = [&](auto* g) {
-      using G = std::remove_pointer_t<decltype(g)>;
-      const reference::gated_rows r = gate_on_cpu<T, G>(a, gate, k_max, k_per_row, threshold);
-      std::copy(r.indices.begin(), r.indices.end(), data<std::int32_t>(std::get<0>(out)));
-      std::transform(r.values.begin(), r.values.end(), data<T>(std::get<1>(out)),
-                     [](double v) { return T(static_cast<float>(v)); });  // exact: they are T values
-      std::copy(r.counts.begin(), r.counts.end(), data<std::int32_t>(std::get<2>(out)));
-    };
-    if (gate.scalar_type() == ScalarType::Float) return run(static_cast<float*>(nullptr));
-    return with_half_type(gate.scalar_type(), "activation_topk", run);
+    using G = std::remove_pointer_t<decltype(g)>;
+    const reference::gated_rows r = gate_on_cpu<T, G>(a, gate, k_max, k_per_row, threshold);
+    std::copy(r.indices.begin(), r.indices.end(), data<std::int32_t>(std::get<0>(out)));
+    std::transform(r.values.begin(), r.values.end(), data<T>(std::get<1>(out)),
+                   [](double v) { return T(static_cast<float>(v)); });  // exact: they are T values
+    std::copy(r.counts.begin(), r.counts.end(), data<std::int32_t>(std::get<2>(out)));
   });
   return out;
 }
