@@ -24,13 +24,18 @@ nvcc = [
     "-U__CUDA_NO_HALF2_OPERATORS__",
 ]
 
-# nvcc's host compiler is the one that links the extension. torch would pass
-# $CC instead; where CC names another toolchain than the linker's (the GPU
-# host sets CC=/opt/gcc/bin/gcc, and links with the system c++), the built
-# extension crashed on the first exception an op threw.
+# nvcc's host compiler is the one that links the extension (torch would pass
+# $CC, which may name another toolchain).
 linker = (os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++").split()[0]
 if shutil.which(linker):
     nvcc += ["-ccbin", shutil.which(linker)]
+
+# The ops throw C++ exceptions that torch catches and rethrows, so the
+# extension must share torch's C++ runtime: an explicit -lstdc++ ahead of the
+# compiler's own libraries binds it to the shared libstdc++ even where the
+# compiler links a static copy by default (the GPU host's /opt/gcc/bin/g++
+# does; with a private copy the first exception an op threw crashed Python).
+link = ["-lstdc++"]
 
 setup(
     packages=["hisparse"],
@@ -41,6 +46,7 @@ setup(
             sources=["python/csrc/select_ops.cu", "python/csrc/cache_ops.cu"],
             include_dirs=[os.path.join(here, "include")],
             extra_compile_args={"cxx": ["-O2", "-std=c++20"], "nvcc": nvcc},
+            extra_link_args=link,
             py_limited_api=True,
         )
     ],
