@@ -4,8 +4,10 @@
 // candidates, sampled brackets, brackets that miss or overflow), strided
 // and unaligned rows, adversarial values (ties, NaN, infinities, signed
 // zeros, negative gates), per-row K and thresholds, offsets past 2^31,
-// and a captured graph (argument checks: test_topk_host.cu). Outputs start
-// poisoned.
+// subnormal scores, non-finite weights and stray indices in the GEMV, and a
+// captured graph (argument checks: test_topk_host.cu). Outputs start
+// poisoned. Built twice: test_gpu_gating_ftz (-ftz=true) holds the
+// subnormal and non-finite cases only.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -128,6 +130,7 @@ gating_problem<T, G> random_problem(int rows, int n, std::int64_t stride, int k_
 
 }  // namespace
 
+#ifndef HISPARSE_TEST_FTZ  // test_gpu_gating_ftz: the two cases after this block only
 TEST_CASE("activation top-k on the GPU equals the reference on random rows", "[gpu][gating]") {
   HISPARSE_REQUIRE_GPU();
   const std::uint64_t seed = test::fresh_seed();
@@ -308,6 +311,97 @@ TEST_CASE("the gated GEMV equals the reference for batches of 1 to 8, and is det
   }
 }
 
+#endif  // HISPARSE_TEST_FTZ
+
+TEST_CASE("the gated GEMV: a non-finite weight reaches only the rows that keep its column; stray indices are skipped",
+          "[gpu][gating]") {
+  HISPARSE_REQUIRE_GPU();
+  const int n = 1000, outs = 64, k_max = 4;
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<__nv_bfloat16> wt(static_cast<std::size_t>(n) * outs);
+  for (int c = 0; c < n; ++c)
+    for (int o = 0; o < outs; ++o)
+      wt[static_cast<std::size_t>(c * outs + o)] = from_float<__nv_bfloat16>(static_cast<float>((c * 7 + o * 3) % 11) - 5.0f);
+  wt[5 * outs + 3] = from_float<__nv_bfloat16>(inf);    // column 5: row 0 only
+  wt[700 * outs + 10] = from_float<__nv_bfloat16>(nan);  // column 700: row 0 only
+  wt[100 * outs + 20] = from_float<__nv_bfloat16>(-inf);  // column 100: rows 0 and 1
+  // Rows 0 and 1 keep columns of the same 128-column ranges; row 2's indices
+  // lie outside [0, n) (int32 extremes: no overflow in the kernel's offsets).
+  const std::vector<std::int32_t> idx{5, 100, 700, -1, 6, 100, 701, -1,
+                                      std::numeric_limits<std::int32_t>::min(), -5, n, std::numeric_limits<std::int32_t>::max()};
+  const std::vector<std::int32_t> counts{3, 3, 4};
+  std::vector<__nv_bfloat16> vals(idx.size(), from_float<__nv_bfloat16>(0.0f));
+  const float v[] = {1.5f, -2.0f, 0.75f, 0.0f, 3.0f, 0.5f, -1.25f, 0.0f, 1.0f, 1.0f, 1.0f, 1.0f};
+  for (std::size_t i = 0; i < vals.size(); ++i) vals[i] = from_float<__nv_bfloat16>(v[i]);
+  device_buffer<__nv_bfloat16> w(wt), d_vals(vals);
+  device_buffer<std::int32_t> d_idx(idx), d_counts(counts);
+  device_buffer<float> y(static_cast<std::size_t>(3 * outs));
+  std::size_t bytes = 0;
+  REQUIRE(select::gated_gemv(nullptr, bytes, w.ptr, outs, n, outs, d_idx.ptr, d_vals.ptr, k_max, d_counts.ptr, 3, y.ptr,
+                             nullptr) == status::success);
+  device_buffer<char> temp(bytes);
+  y.poison(nullptr);
+  REQUIRE(select::gated_gemv(temp.ptr, bytes, w.ptr, outs, n, outs, d_idx.ptr, d_vals.ptr, k_max, d_counts.ptr, 3, y.ptr,
+                             nullptr) == status::success);
+  const auto got = y.download();
+  // The reference for rows 0 and 1 (row 2 keeps nothing in range: zeros).
+  reference::gated_rows g;
+  g.n = n;
+  g.k_max = k_max;
+  g.indices.assign(idx.begin(), idx.begin() + 8);
+  for (int i = 0; i < 8; ++i) g.values.push_back(to_double(vals[static_cast<std::size_t>(i)]));
+  g.counts = {3, 3};
+  tensor_view<const __nv_bfloat16, 2> w_view;
+  w_view.data = wt.data();
+  w_view.extents[0] = outs, w_view.extents[1] = n;
+  w_view.strides[0] = 1, w_view.strides[1] = outs;
+  const auto want = reference::gated_gemv(w_view, g);
+  for (int r = 0; r < 3; ++r)
+    for (int o = 0; o < outs; ++o) {
+      const auto at = static_cast<std::size_t>(r * outs + o);
+      const double expect = r < 2 ? want[at] : 0.0;
+      INFO("row " << r << " output " << o << ": " << got[at] << " vs " << expect);
+      if (std::isnan(expect)) {
+        REQUIRE(std::isnan(got[at]));
+      } else if (std::isinf(expect)) {
+        REQUIRE(static_cast<double>(got[at]) == expect);
+      } else {
+        REQUIRE(std::abs(static_cast<double>(got[at]) - expect) <= 1e-5 * (1.0 + std::abs(expect)));
+      }
+    }
+  // Row 1 sees -inf (it keeps column 100) and nothing of columns 5 and 700.
+  REQUIRE(std::isinf(got[static_cast<std::size_t>(outs + 20)]));
+  REQUIRE(std::isfinite(got[static_cast<std::size_t>(outs + 3)]));
+  REQUIRE(std::isfinite(got[static_cast<std::size_t>(outs + 10)]));
+}
+
+TEST_CASE("activation top-k ranks subnormal scores (this file is also built with -ftz=true)", "[gpu][gating]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  workload::splitmix64 rng(seed);
+  const int rows = 4, n = 5000, k_max = 300;
+  // bf16 activations that are fp32 subnormals under gates near 1, and fp16
+  // activations under gates small enough for subnormal products: ftz
+  // arithmetic would score them all 0 and keep the lowest indices instead.
+  gating_problem<__nv_bfloat16, float> sub(rows, n, n, k_max);
+  for (int r = 0; r < rows; ++r)
+    for (int i = 0; i < n; ++i) {
+      __nv_bfloat16_raw bits;
+      bits.x = static_cast<unsigned short>((1 + rng.below(0x7F)) | (rng.below(2) ? 0x8000u : 0u));
+      sub.at(r, i) = __nv_bfloat16(bits);
+    }
+  for (auto& g : sub.gate) g = static_cast<float>(1.0 + rng.uniform());
+  check_problem(sub);
+  check_problem(sub, select::gating_rule::threshold, std::ldexp(1.0f, -128));
+  gating_problem<__half, float> tiny(rows, n, n, k_max);
+  for (int r = 0; r < rows; ++r)
+    for (int i = 0; i < n; ++i) tiny.at(r, i) = from_float<__half>(static_cast<float>(rng.normal()));
+  for (auto& g : tiny.gate) g = std::ldexp(static_cast<float>(1.0 + rng.uniform()), -130);
+  check_problem(tiny);
+}
+
+#ifndef HISPARSE_TEST_FTZ
 TEST_CASE("activation top-k and the gated GEMV replay from a captured graph", "[gpu][gating]") {
   HISPARSE_REQUIRE_GPU();
   const std::uint64_t seed = test::fresh_seed();
@@ -351,3 +445,4 @@ TEST_CASE("activation top-k and the gated GEMV replay from a captured graph", "[
   HISPARSE_CUDA_CHECK(cudaGraphDestroy(graph));
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
+#endif  // HISPARSE_TEST_FTZ

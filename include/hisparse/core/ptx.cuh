@@ -62,6 +62,15 @@ __device__ __forceinline__ uint4 ld_nc_no_l1(const void* p) {
   return v;
 }
 
+/// |a| * b rounded to nearest, subnormal inputs and results kept even where
+/// the translation unit is compiled with -ftz=true (--use_fast_math): the
+/// contract's fl32 product, which ftz would turn to 0.
+__device__ __forceinline__ float abs_mul_rn(float a, float b) {
+  float r;
+  asm("mul.rn.f32 %0, %1, %2;\n" : "=f"(r) : "f"(__int_as_float(__float_as_int(a) & 0x7fffffff)), "f"(b));
+  return r;
+}
+
 /// Two 32-bit words to a shared-memory address in one store.
 __device__ __forceinline__ void st_shared_v2(unsigned addr, unsigned a, unsigned b) {
   asm("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(addr), "r"(a), "r"(b) : "memory");

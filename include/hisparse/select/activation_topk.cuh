@@ -75,7 +75,7 @@ template <class G>
 inline constexpr bool is_gate_weight_v = is_gate_value_v<G> || std::is_same_v<G, float>;
 
 /// The ordered word of one column's score: fl32(|a| g), one rounding.
-__device__ __forceinline__ std::uint32_t gate_word(float a, float g) { return ordered_bits(__fmul_rn(fabsf(a), g)); }
+__device__ __forceinline__ std::uint32_t gate_word(float a, float g) { return ordered_bits(ptx::abs_mul_rn(a, g)); }
 
 /// One row as its CTA reads it, a step of kGateVec columns a thread.
 template <class T, class G>
@@ -117,7 +117,7 @@ struct gate_row {
       for (int j = 0; j < kGateVec; ++j) g[j] = first + j < n ? to_float(gate[first + j]) : 0.0f;
     }
 #pragma unroll
-    for (int j = 0; j < kGateVec; ++j) s[j] = __fmul_rn(fabsf(to_float(x[j])), g[j]);
+    for (int j = 0; j < kGateVec; ++j) s[j] = ptx::abs_mul_rn(to_float(x[j]), g[j]);
   }
 
   /// Their ordered words.
@@ -504,15 +504,16 @@ __global__ void __launch_bounds__(kGemvThreads)
     gated_gemv_kernel(const W* __restrict__ wt, std::int64_t ld_w, int n, int outs,
                       const std::int32_t* __restrict__ indices, const T* __restrict__ values, int k_max,
                       const std::int32_t* __restrict__ counts, float* __restrict__ partial) {
+  static_assert(Rows <= 32, "a column's rows are one 32-bit mask");
   __shared__ float vals[Rows][kGemvColumns];
-  __shared__ int kept[kGemvColumns];
+  __shared__ unsigned kept[kGemvColumns];  ///< bit r: row r keeps the column
   __shared__ int list[kGemvColumns];
   __shared__ int warp_base[kGemvThreads / 32 + 1];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int c0 = blockIdx.y * kGemvColumns;
   const int width = min(kGemvColumns, n - c0);
   for (int i = tid; i < kGemvColumns; i += kGemvThreads) {
-    kept[i] = 0;
+    kept[i] = 0u;
 #pragma unroll
     for (int r = 0; r < Rows; ++r) vals[r][i] = 0.0f;
   }
@@ -528,14 +529,15 @@ __global__ void __launch_bounds__(kGemvThreads)
 #pragma unroll
     for (int i = 0; i < kGemvColumns / 32; ++i) {
       const int j = first + lane + 32 * i;
-      c[i] = j < count ? idx[j] - c0 : kGemvColumns;
+      const int col = j < count ? idx[j] : -1;
+      c[i] = col >= c0 && col < c0 + width ? col - c0 : kGemvColumns;  // no overflow for any index
       x[i] = j < count ? to_float(values[static_cast<std::int64_t>(r) * k_max + j]) : 0.0f;
     }
 #pragma unroll
     for (int i = 0; i < kGemvColumns / 32; ++i)
-      if (c[i] >= 0 && c[i] < width) {
+      if (c[i] < width) {
         vals[r][c[i]] = x[i];
-        kept[c[i]] = 1;
+        atomicOr(&kept[c[i]], 1u << r);
       }
   }
   __syncthreads();
@@ -543,7 +545,7 @@ __global__ void __launch_bounds__(kGemvThreads)
   int listed = 0;
   for (int base = 0; base < width; base += kGemvThreads) {
     const int c = base + tid;
-    const bool take = c < width && kept[c] != 0;
+    const bool take = c < width && kept[c] != 0u;
     const unsigned ballot = __ballot_sync(kFullMask, take);
     if (lane == 0) warp_base[warp] = __popc(ballot);
     __syncthreads();
@@ -583,9 +585,13 @@ __global__ void __launch_bounds__(kGemvThreads)
       for (int q = 0; q < kUnroll; ++q) {
         if (u + q >= listed) break;
         const int c = list[u + q];
+        const unsigned rows_kept = kept[c];
         const W* x = reinterpret_cast<const W*>(&raw[q]);
 #pragma unroll
         for (int r = 0; r < Rows; ++r) {
+          // Only the rows that keep the column: a row multiplying another
+          // row's column by zero would turn an infinite weight into NaN.
+          if ((rows_kept >> r & 1u) == 0u) continue;
           const float v = vals[r][c];
 #pragma unroll
           for (int e = 0; e < 8; ++e) acc[r][e] = fmaf(to_float(x[e]), v, acc[r][e]);
@@ -684,9 +690,8 @@ template <class T, class G>
 /// activation_topk writes them); columns a row keeps are each read once
 /// for the whole batch, so the gain over the dense GEMV is n / (the
 /// columns any row keeps). Deterministic: partial sums per column range
-/// are added in a fixed order. W must be finite: a row also multiplies the
-/// columns only other rows kept, by zero, so an infinite or NaN weight
-/// there would make its output NaN where the reference's is finite.
+/// are added in a fixed order. Non-finite weights reach only the rows that
+/// keep their column, as in the reference.
 ///
 /// CUB-style two-phase temporary storage: with temp == nullptr, only sets
 /// temp_bytes and returns. Capturable.
