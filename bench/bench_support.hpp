@@ -4,6 +4,7 @@
 // library, may allocate with cudaMalloc directly.)
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -51,6 +52,33 @@ inline double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
 }
+
+#ifdef __CUDACC__
+/// Keeps one SM busy for about `ns` nanoseconds (a template: a header's
+/// kernel would otherwise be compiled into every translation unit).
+template <int = 0>
+__global__ void busy_kernel(long long ns) {
+  for (long long t = 0; t < ns; t += 1000) __nanosleep(1000);
+}
+
+/// Host seconds per call of `f` (which enqueues work on `stream`) with the
+/// GPU kept busy, so no call waits on the device: the CPU cost of a launch
+/// sequence, as torch_ops_bench.py measures the ops'.
+template <class F>
+double host_seconds_per_call(F&& f, cudaStream_t stream, int calls = 200) {
+  f();
+  HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<double> samples;
+  for (int i = 0; i < 5; ++i) {
+    busy_kernel<<<1, 1, 0, stream>>>(50'000'000);
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int c = 0; c < calls; ++c) f();
+    samples.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / calls);
+    HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  return median(samples);
+}
+#endif
 
 /// An owning device allocation of n elements (at least one, so a zero-size
 /// request still gets a valid pointer), optionally filled from the host.
