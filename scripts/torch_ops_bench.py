@@ -5,12 +5,15 @@ run: one decode step of the 7B GQA model (32 query / 8 KV heads, head_dim
 
   * hisparse: PagedKVCache.decode (torch.ops.hisparse.cache_decode), eager and
     replayed from a CUDA graph, warm and cold (a 256 MB write before each
-    timed replay evicts L2, as bench_attention's cold figures do);
+    timed replay evicts L2, as bench_attention's cold figures do); and
+    hisparse_out, the same step into given tensors (cache_decode_out);
   * dense: scaled_dot_product_attention over every token;
   * flex: FlexAttention (compiled) with a block mask of exactly the slices the
     contract keeps plus the window, 64-token KV blocks: the same attended set;
   * host overhead: the CPU time of one call while the GPU is busy (a long
-    sleep kernel queued first), for the decode op, the top-k op and torch.add.
+    sleep kernel queued first), for the decode ops, the top-k op and torch.add;
+  * prefill: PagedKVCache.prefill of one whole 256K prompt (every query)
+    against SDPA's causal attention over the same keys and values.
 
     python3 scripts/torch_ops_bench.py [OUT.json]     (default torch_ops.json)
 
@@ -30,6 +33,7 @@ from torch_decode import graphed, timed  # the same timing as the PyTorch decode
 B, HQ, HKV, D, T = 8, 32, 8, 128, 262144
 C, F, KC, KF, W = 1024, 64, 32, 16, 512
 ITERATIONS = 50
+PREFILL_ITERATIONS = 3  # SDPA's causal 256K prefill takes about a second
 
 
 def host_us(torch, fn, calls=200):
@@ -109,7 +113,7 @@ def main():
     q3 = q.view(B, HQ, D)
 
     cache = hisparse.PagedKVCache(num_layers=1, num_kv_heads=HKV, head_dim=D, num_q_heads=HQ, max_sequences=B,
-                                  max_context=T)
+                                  max_context=T, max_prefill_tokens=T)
     slots = [cache.add_sequence(T) for _ in range(B)]
     for b, slot in enumerate(slots):
         cache.append(0, [slot], k[b].transpose(0, 1).contiguous(), v[b].transpose(0, 1).contiguous(), counts=[T])
@@ -118,15 +122,19 @@ def main():
 
     out_h = torch.empty_like(q3)
     out_d = torch.empty_like(q)
+    out_o, lse_o = torch.empty_like(q3), torch.empty(B, HQ, device=dev)
 
     def sparse():
         out_h.copy_(cache.decode(q3, slots_t)[0])
+
+    def sparse_out():
+        cache.decode(q3, slots_t, out=out_o, lse=lse_o)
 
     def dense():
         out_d.copy_(fnn.scaled_dot_product_attention(q, k, v, enable_gqa=True))
 
     results = {}
-    for name, fn in (("hisparse", sparse), ("sdpa_dense", dense)):
+    for name, fn in (("hisparse", sparse), ("hisparse_out", sparse_out), ("sdpa_dense", dense)):
         replay = graphed(torch, fn)
         results[name] = {"eager_us": timed(torch, fn, ITERATIONS), "graph_us": timed(torch, replay, ITERATIONS),
                          "graph_cold_us": timed(torch, replay, ITERATIONS, flush)}
@@ -158,14 +166,33 @@ def main():
 
     small = torch.randn(64, 4096, device=dev)
     decode_op = torch.ops.hisparse.cache_decode.default
+    decode_out_op = torch.ops.hisparse.cache_decode_out.default
     x = torch.randn(16, device=dev)
     results["host_us"] = {
         "cache_decode": host_us(torch, lambda: cache.decode(q3, slots_t)),
         "cache_decode_op": host_us(torch, lambda: decode_op(cache.lengths, cache.handle, 0, q3, slots_t, "standard")),
+        "cache_decode_out": host_us(torch, lambda: cache.decode(q3, slots_t, out=out_o, lse=lse_o)),
+        "cache_decode_out_op": host_us(torch, lambda: decode_out_op(cache.lengths, cache.handle, 0, q3, slots_t,
+                                                                    "standard", out_o, lse_o)),
         "two_empty_like": host_us(torch, lambda: (torch.empty_like(q3), torch.empty_like(q3))),
         "topk": host_us(torch, lambda: hisparse.topk(small, 16)),
         "torch_add": host_us(torch, lambda: torch.add(x, x)),
     }
+    # Prefill: sequence 0's whole prompt, every query, against SDPA causal.
+    del flush
+    qp = torch.randn(T, HQ, D, device=dev, dtype=torch.bfloat16, generator=g)
+    qd = qp.transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D] (a view)
+
+    def prefill():
+        cache.prefill(qp, [slots[0]], [0], [T])
+
+    def prefill_dense():
+        fnn.scaled_dot_product_attention(qd, k[:1], v[:1], is_causal=True, enable_gqa=True)
+
+    results["prefill_hisparse"] = {"eager_us": timed(torch, prefill, PREFILL_ITERATIONS, warmup=1)}
+    results["prefill_sdpa_dense"] = {"eager_us": timed(torch, prefill_dense, PREFILL_ITERATIONS, warmup=1)}
+    results["prefill_sdpa_dense"]["hisparse_speedup_eager"] = (results["prefill_sdpa_dense"]["eager_us"] /
+                                                               results["prefill_hisparse"]["eager_us"])
     h = results["hisparse"]
     for name in ("sdpa_dense", "flex_block_sparse"):
         if "eager_us" in results[name]:

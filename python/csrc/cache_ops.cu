@@ -6,6 +6,7 @@
 // plus tensors: `lengths` ([sequences, layers] int32, a copy of the cache's
 // token counts) is written by the append and read by the decode, so
 // torch.compile sees the order between them.
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -32,7 +33,27 @@ struct cache_shape {
   std::int64_t max_context;
   int fine_slice, coarse_block, topk_cache_slices;
   fine_summary summary;
+  int max_prefill_tiles;  ///< 0: no prefill
 };
+
+/// Where a decode step also writes its selection (all three or none):
+/// [batch][kv_heads][top_k_fine] slice ids, [batch][kv_heads] counts, [batch] window starts.
+struct kept_outputs {
+  std::int32_t* slices = nullptr;
+  std::int32_t* counts = nullptr;
+  std::int32_t* window_begin = nullptr;
+};
+
+/// Prefill segments travel to the device as a kernel's parameters: the
+/// values are captured with the launch, so a graph replays the segments it
+/// was captured with, and no host buffer has to outlive the call.
+constexpr int kSegmentsPerLaunch = 64;  // 64 x 20 B, within the 4 KB of parameters every GPU takes
+struct segment_batch {
+  select::prefill_segment segs[kSegmentsPerLaunch];
+};
+__global__ void write_segments(select::prefill_segment* dst, segment_batch batch, int count) {
+  if (static_cast<int>(threadIdx.x) < count) dst[threadIdx.x] = batch.segs[threadIdx.x];
+}
 
 class cache_base {
  public:
@@ -44,9 +65,15 @@ class cache_base {
   virtual void append(int layer, const std::vector<kv::append_segment>& segs, const void* k, const void* v,
                       cudaStream_t stream) = 0;
   virtual void decode(preset_id preset, const void* q, const std::int32_t* slots, int batch, int layer, void* out,
-                      float* lse, cudaStream_t stream) = 0;
+                      float* lse, const kept_outputs& kept, cudaStream_t stream) = 0;
+  /// segs: slot, q_begin and num_queries set; checked against the stored
+  /// lengths and laid out here; q holds their q_rows queries in order.
+  virtual void prefill(preset_id preset, std::vector<select::prefill_segment>& segs, int layer, const void* q,
+                       std::int64_t q_rows, void* out, float* lse, cudaStream_t stream) = 0;
   virtual const std::int32_t* device_lengths() const = 0;
   virtual bool serves(preset_id id) const = 0;
+  virtual bool serves_prefill(preset_id id) const = 0;
+  virtual int kept_width(preset_id id) const = 0;  ///< top_k_fine of a served preset
   cache_shape shape{};
 };
 
@@ -61,8 +88,14 @@ class cache_impl final : public cache_base {
     in.cache = cache_.ref();
     in.max_batch = s.max_sequences;
     in.num_q_heads = s.q_heads;
+    in.max_prefill_tiles = s.max_prefill_tiles;
     throw_if_error(op_.init(in));
+    if (s.max_prefill_tiles > 0)
+      segments_ = static_cast<select::prefill_segment*>(pool_.allocate(segments_bytes(), nullptr));
     HISPARSE_CUDA_CHECK(cudaStreamSynchronize(nullptr));  // the cache's and the op's zeroing are done
+  }
+  ~cache_impl() override {
+    if (segments_ != nullptr) pool_.deallocate(segments_, segments_bytes(), nullptr);
   }
   ScalarType dtype() const override {
     return std::is_same_v<T, __nv_bfloat16> ? ScalarType::BFloat16 : ScalarType::Half;
@@ -79,7 +112,7 @@ class cache_impl final : public cache_base {
     check(cache_.append_async(layer, segs, static_cast<const T*>(k), static_cast<const T*>(v), stream), "cache_append");
   }
   void decode(preset_id preset, const void* q, const std::int32_t* slots, int batch, int layer, void* out, float* lse,
-              cudaStream_t stream) override {
+              const kept_outputs& kept, cudaStream_t stream) override {
     typename sparse_attention_op<T, pool_t>::forward_arguments f;
     f.preset = preset;
     f.queries = static_cast<const T*>(q);
@@ -89,9 +122,64 @@ class cache_impl final : public cache_base {
     f.out = static_cast<T*>(out);
     f.lse = lse;
     check(op_.forward(f, stream), "cache_decode");
+    if (kept.slices == nullptr) return;
+    const auto& sel = op_.op(preset);
+    const std::size_t rows = static_cast<std::size_t>(batch) * shape.kv_heads;
+    const std::size_t width = static_cast<std::size_t>(kept_width(preset));
+    const auto copy = [&](std::int32_t* dst, const std::int32_t* src, std::size_t n) {
+      HISPARSE_CUDA_CHECK(cudaMemcpyAsync(dst, src, n * sizeof(std::int32_t), cudaMemcpyDeviceToDevice, stream));
+    };
+    copy(kept.slices, sel.kept_slices(), rows * width);
+    copy(kept.counts, sel.num_slices(), rows);
+    copy(kept.window_begin, sel.window_begin(), static_cast<std::size_t>(batch));
+  }
+  void prefill(preset_id preset, std::vector<select::prefill_segment>& segs, int layer, const void* q,
+               std::int64_t q_rows, void* out, float* lse, cudaStream_t stream) override {
+    STD_TORCH_CHECK(op_.serves_prefill(preset), "hisparse.cache_prefill: this cache has no prefill for the preset",
+                    shape.max_prefill_tiles == 0 ? " (made with max_prefill_tokens = 0)" : "");
+    STD_TORCH_CHECK(!segs.empty() && segs.size() <= static_cast<std::size_t>(shape.max_sequences),
+                    "hisparse.cache_prefill: 1 to max_sequences = ", shape.max_sequences, " chunks a call");
+    std::int32_t max_end = 0;
+    for (const auto& g : segs) {
+      STD_TORCH_CHECK(g.slot >= 0 && g.slot < shape.max_sequences && cache_.active(g.slot),
+                      "hisparse.cache_prefill: slot ", g.slot, " holds no sequence");
+      const std::int64_t end = std::int64_t{g.q_begin} + g.num_queries;
+      STD_TORCH_CHECK(end <= cache_.length(g.slot, layer), "hisparse.cache_prefill: slot ", g.slot,
+                      "'s queries end at token ", end, " but layer ", layer, " stores ", cache_.length(g.slot, layer),
+                      " (append a chunk's keys and values before its prefill)");
+      max_end = std::max(max_end, static_cast<std::int32_t>(end));
+    }
+    int tiles = 0;
+    check(select::layout_prefill_segments(segs.data(), static_cast<int>(segs.size()), op_.query_tile(preset), tiles),
+          "cache_prefill");
+    const std::int64_t rows = std::int64_t{segs.back().query_offset} + segs.back().num_queries;
+    STD_TORCH_CHECK(rows == q_rows, "hisparse.cache_prefill: the chunks hold ", rows, " queries, q has ", q_rows);
+    STD_TORCH_CHECK(tiles <= shape.max_prefill_tiles, "hisparse.cache_prefill: ", tiles,
+                    " query tiles, more than the cache was made for (", shape.max_prefill_tiles,
+                    "; raise max_prefill_tokens)");
+    for (std::size_t first = 0; first < segs.size(); first += kSegmentsPerLaunch) {
+      const int n = static_cast<int>(std::min<std::size_t>(kSegmentsPerLaunch, segs.size() - first));
+      segment_batch batch{};
+      std::copy_n(segs.begin() + static_cast<std::ptrdiff_t>(first), n, batch.segs);
+      write_segments<<<1, kSegmentsPerLaunch, 0, stream>>>(segments_ + first, batch, n);
+      HISPARSE_CUDA_CHECK(cudaGetLastError());
+    }
+    typename sparse_attention_op<T, pool_t>::prefill_forward_arguments f;
+    f.preset = preset;
+    f.queries = static_cast<const T*>(q);
+    f.segments = segments_;
+    f.num_segments = static_cast<int>(segs.size());
+    f.num_tiles = tiles;
+    f.max_end = max_end;
+    f.layer = layer;
+    f.out = static_cast<T*>(out);
+    f.lse = lse;
+    check(op_.forward(f, stream), "cache_prefill");
   }
   const std::int32_t* device_lengths() const override { return cache_.ref().lengths; }
   bool serves(preset_id id) const override { return op_.serves(id); }
+  bool serves_prefill(preset_id id) const override { return op_.serves_prefill(id); }
+  int kept_width(preset_id id) const override { return op_.op(id).config().top_k_fine; }
 
  private:
   static kv::paged_kv_cache_options options(const cache_shape& s) {
@@ -108,9 +196,12 @@ class cache_impl final : public cache_base {
     return o;
   }
 
+  std::size_t segments_bytes() const { return sizeof(select::prefill_segment) * shape.max_sequences; }
+
   pool_t pool_;  // first: the cache and the op give their memory back to it
   kv::paged_kv_cache<T, pool_t> cache_;
   sparse_attention_op<T, pool_t> op_;
+  select::prefill_segment* segments_ = nullptr;  ///< [max_sequences], the last prefill call's layout
 };
 
 struct registry {
@@ -194,29 +285,116 @@ void cache_append(Tensor lengths, std::int64_t handle, std::int64_t layer, std::
   copy_lengths(c, lengths, stream);
 }
 
+/// The checks every decode op makes; returns the preset.
+preset_id check_decode(const Tensor& lengths, const cache_base& c, std::int64_t layer, const Tensor& q,
+                       const Tensor& slots, const std::string& preset, const char* op) {
+  check_lengths(lengths, c, op);
+  expect(q, op, "q", 3, c.dtype());
+  expect_contiguous(q, op, "q");
+  expect_on_cache_device(q, c, op, "q");
+  STD_TORCH_CHECK(q.size(1) == c.shape.q_heads && q.size(2) == c.shape.head_dim, "hisparse.", op,
+                  ": q must be [batch, q_heads = ", c.shape.q_heads, ", head_dim = ", c.shape.head_dim, "]");
+  expect(slots, op, "slots", 1, ScalarType::Int);
+  expect_contiguous(slots, op, "slots");
+  expect_on_cache_device(slots, c, op, "slots");
+  STD_TORCH_CHECK(slots.size(0) == q.size(0), "hisparse.", op, ": one slot per query row");
+  STD_TORCH_CHECK(layer >= 0 && layer < c.shape.layers, "hisparse.", op, ": layer ", layer, " outside [0, ",
+                  c.shape.layers, ")");
+  const preset_id id = preset_named(preset);
+  STD_TORCH_CHECK(c.serves(id), "hisparse.", op, ": this cache cannot serve preset '", preset,
+                  "' (its slice/block sizes or fine summary differ)");
+  return id;
+}
+
+/// An output tensor the caller passed: its shape, dtype, density and device.
+void expect_output(const Tensor& t, const cache_base& c, const char* op, const char* what,
+                   std::initializer_list<std::int64_t> sizes, ScalarType type) {
+  expect(t, op, what, static_cast<int>(sizes.size()), type);
+  expect_contiguous(t, op, what);
+  expect_on_cache_device(t, c, op, what);
+  int d = 0;
+  for (const std::int64_t n : sizes) {
+    STD_TORCH_CHECK(t.size(d) == n, "hisparse.", op, ": ", what, "'s dimension ", d, " must be ", n, " (got ",
+                    t.size(d), ")");
+    ++d;
+  }
+}
+
+void run_decode(cache_base& c, preset_id id, std::int64_t layer, const Tensor& q, const Tensor& slots, Tensor& out,
+                Tensor& lse, const kept_outputs& kept) {
+  if (q.size(0) == 0) return;
+  torch::stable::accelerator::DeviceGuard guard(c.shape.device);
+  c.decode(id, q.data_ptr(), data<const std::int32_t>(slots), static_cast<int>(q.size(0)), static_cast<int>(layer),
+           out.data_ptr(), data<float>(lse), kept, current_stream(q));
+}
+
 std::tuple<Tensor, Tensor> cache_decode(Tensor lengths, std::int64_t handle, std::int64_t layer, Tensor q, Tensor slots,
                                         std::string preset) {
   cache_base& c = find(handle, "cache_decode");
-  check_lengths(lengths, c, "cache_decode");
-  expect(q, "cache_decode", "q", 3, c.dtype());
-  expect_contiguous(q, "cache_decode", "q");
-  expect_on_cache_device(q, c, "cache_decode", "q");
-  STD_TORCH_CHECK(q.size(1) == c.shape.q_heads && q.size(2) == c.shape.head_dim,
-                  "hisparse.cache_decode: q must be [batch, q_heads = ", c.shape.q_heads,
-                  ", head_dim = ", c.shape.head_dim, "]");
-  expect(slots, "cache_decode", "slots", 1, ScalarType::Int);
-  expect_contiguous(slots, "cache_decode", "slots");
-  expect_on_cache_device(slots, c, "cache_decode", "slots");
-  STD_TORCH_CHECK(slots.size(0) == q.size(0), "hisparse.cache_decode: one slot per query row");
-  const preset_id id = preset_named(preset);
-  STD_TORCH_CHECK(c.serves(id), "hisparse.cache_decode: this cache cannot serve preset '", preset,
-                  "' (its slice/block sizes or fine summary differ)");
+  const preset_id id = check_decode(lengths, c, layer, q, slots, preset, "cache_decode");
   Tensor out = torch::stable::empty_like(q);
   Tensor lse = torch::stable::new_empty(q, {q.size(0), q.size(1)}, ScalarType::Float);
-  if (q.size(0) == 0) return {out, lse};
+  run_decode(c, id, layer, q, slots, out, lse, {});
+  return {out, lse};
+}
+
+void cache_decode_out(Tensor lengths, std::int64_t handle, std::int64_t layer, Tensor q, Tensor slots,
+                      std::string preset, Tensor out, Tensor lse) {
+  cache_base& c = find(handle, "cache_decode_out");
+  const preset_id id = check_decode(lengths, c, layer, q, slots, preset, "cache_decode_out");
+  expect_output(out, c, "cache_decode_out", "out", {q.size(0), q.size(1), q.size(2)}, c.dtype());
+  expect_output(lse, c, "cache_decode_out", "lse", {q.size(0), q.size(1)}, ScalarType::Float);
+  run_decode(c, id, layer, q, slots, out, lse, {});
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cache_decode_kept(Tensor lengths, std::int64_t handle,
+                                                                     std::int64_t layer, Tensor q, Tensor slots,
+                                                                     std::string preset) {
+  cache_base& c = find(handle, "cache_decode_kept");
+  const preset_id id = check_decode(lengths, c, layer, q, slots, preset, "cache_decode_kept");
+  const std::int64_t batch = q.size(0), heads = c.shape.kv_heads;
+  Tensor out = torch::stable::empty_like(q);
+  Tensor lse = torch::stable::new_empty(q, {batch, q.size(1)}, ScalarType::Float);
+  Tensor kept = torch::stable::new_empty(q, {batch, heads, c.kept_width(id)}, ScalarType::Int);
+  Tensor counts = torch::stable::new_empty(q, {batch, heads}, ScalarType::Int);
+  Tensor window = torch::stable::new_empty(q, {batch}, ScalarType::Int);
+  run_decode(c, id, layer, q, slots, out, lse,
+             {data<std::int32_t>(kept), data<std::int32_t>(counts), data<std::int32_t>(window)});
+  return {out, lse, kept, counts, window};
+}
+
+std::tuple<Tensor, Tensor> cache_prefill(Tensor lengths, std::int64_t handle, std::int64_t layer, Tensor q,
+                                         std::vector<std::int64_t> slots, std::vector<std::int64_t> q_begins,
+                                         std::vector<std::int64_t> counts, std::string preset) {
+  cache_base& c = find(handle, "cache_prefill");
+  check_lengths(lengths, c, "cache_prefill");
+  expect(q, "cache_prefill", "q", 3, c.dtype());
+  expect_contiguous(q, "cache_prefill", "q");
+  expect_on_cache_device(q, c, "cache_prefill", "q");
+  STD_TORCH_CHECK(q.size(1) == c.shape.q_heads && q.size(2) == c.shape.head_dim,
+                  "hisparse.cache_prefill: q must be [queries, q_heads = ", c.shape.q_heads,
+                  ", head_dim = ", c.shape.head_dim, "]");
+  STD_TORCH_CHECK(slots.size() == q_begins.size() && slots.size() == counts.size(),
+                  "hisparse.cache_prefill: one first position and one query count per sequence");
+  STD_TORCH_CHECK(layer >= 0 && layer < c.shape.layers, "hisparse.cache_prefill: layer ", layer, " outside [0, ",
+                  c.shape.layers, ")");
+  const preset_id id = preset_named(preset);
+  std::vector<select::prefill_segment> segs(slots.size());
+  constexpr std::int64_t kMax = 0x7FFFFFFF;
+  for (std::size_t i = 0; i < segs.size(); ++i) {
+    STD_TORCH_CHECK(slots[i] >= 0 && slots[i] < c.shape.max_sequences && q_begins[i] >= 0 && q_begins[i] <= kMax &&
+                        counts[i] >= 1 && counts[i] <= kMax,
+                    "hisparse.cache_prefill: chunk ", i, " (slot ", slots[i], ", first ", q_begins[i], ", queries ",
+                    counts[i], ") is out of range");
+    segs[i].slot = static_cast<std::int32_t>(slots[i]);
+    segs[i].q_begin = static_cast<std::int32_t>(q_begins[i]);
+    segs[i].num_queries = static_cast<std::int32_t>(counts[i]);
+  }
+  Tensor out = torch::stable::empty_like(q);
+  Tensor lse = torch::stable::new_empty(q, {q.size(0), q.size(1)}, ScalarType::Float);
   torch::stable::accelerator::DeviceGuard guard(c.shape.device);
-  c.decode(id, q.data_ptr(), data<const std::int32_t>(slots), static_cast<int>(q.size(0)), static_cast<int>(layer),
-           out.data_ptr(), data<float>(lse), current_stream(q));
+  c.prefill(id, segs, static_cast<int>(layer), q.data_ptr(), q.size(0), out.data_ptr(), data<float>(lse),
+            current_stream(q));
   return {out, lse};
 }
 
@@ -232,6 +410,15 @@ std::invoke_result_t<F&> guarded(F&& f, std::invoke_result_t<F&> on_error) noexc
     c_api_error = "unknown error";
   }
   return on_error;
+}
+
+/// Query tiles a prefill call of `tokens` queries in up to `chunks` chunks
+/// can need: each chunk starts on a tile and may end inside one.
+int prefill_tiles_for(std::int64_t tokens, int chunks) {
+  if (tokens == 0) return 0;
+  int m = kMaxQueryTile;
+  for (const auto& p : kBuiltinPresets) m = std::min(m, p.config.query_tile);
+  return static_cast<int>((tokens + m - 1) / m + chunks);
 }
 
 /// Runs f with `device` current, restoring the caller's device after.
@@ -254,12 +441,21 @@ STABLE_TORCH_LIBRARY_FRAGMENT(hisparse, m) {
   m.def("cache_append(Tensor(a!) lengths, int cache, int layer, int[] slots, int[] counts, Tensor k, Tensor v) -> ()");
   m.def("cache_decode(Tensor lengths, int cache, int layer, Tensor q, Tensor slots, str preset) -> "
         "(Tensor out, Tensor lse)");
+  m.def("cache_decode_out(Tensor lengths, int cache, int layer, Tensor q, Tensor slots, str preset, "
+        "Tensor(a!) out, Tensor(b!) lse) -> ()");
+  m.def("cache_decode_kept(Tensor lengths, int cache, int layer, Tensor q, Tensor slots, str preset) -> "
+        "(Tensor out, Tensor lse, Tensor kept, Tensor kept_counts, Tensor window_begin)");
+  m.def("cache_prefill(Tensor lengths, int cache, int layer, Tensor q, int[] slots, int[] q_begins, int[] counts, "
+        "str preset) -> (Tensor out, Tensor lse)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(hisparse, CUDA, m) {
   using namespace hisparse::torch_ops;
   m.impl("cache_append", TORCH_BOX(&cache_append));
   m.impl("cache_decode", TORCH_BOX(&cache_decode));
+  m.impl("cache_decode_out", TORCH_BOX(&cache_decode_out));
+  m.impl("cache_decode_kept", TORCH_BOX(&cache_decode_kept));
+  m.impl("cache_prefill", TORCH_BOX(&cache_prefill));
 }
 
 // ---- the C interface PagedKVCache (python/hisparse/cache.py) calls --------------
@@ -275,15 +471,21 @@ __attribute__((visibility("default"))) const char* hisparse_last_error() {
 }
 
 /// dtype: 0 bfloat16, 1 float16. fine_summary: 0 mean, 1 mean_bf16, 2 key_bounds.
+/// max_prefill_tokens: the most queries one prefill call holds (0: decode only).
 __attribute__((visibility("default"))) std::int64_t hisparse_cache_create(
     int device, int dtype, int layers, int kv_heads, int head_dim, int q_heads, int max_sequences,
-    std::int64_t max_context, int fine_slice, int coarse_block, int fine_summary, int topk_cache_slices) {
+    std::int64_t max_context, int fine_slice, int coarse_block, int fine_summary, int topk_cache_slices,
+    std::int64_t max_prefill_tokens) {
   using namespace hisparse::torch_ops;
   return guarded(
       [&]() -> std::int64_t {
-        const cache_shape s{device,     layers,           kv_heads,          head_dim,
-                            q_heads,    max_sequences,    max_context,       fine_slice,
-                            coarse_block, topk_cache_slices, static_cast<hisparse::fine_summary>(fine_summary)};
+        if (max_prefill_tokens < 0 || max_prefill_tokens > (std::int64_t{1} << 30))
+          throw hisparse::error(hisparse::status::invalid_argument, "max_prefill_tokens must be in [0, 2^30]");
+        const cache_shape s{device,       layers,           kv_heads,
+                            head_dim,     q_heads,          max_sequences,
+                            max_context,  fine_slice,       coarse_block,
+                            topk_cache_slices, static_cast<hisparse::fine_summary>(fine_summary),
+                            prefill_tiles_for(max_prefill_tokens, max_sequences)};
         if (!hisparse::is_valid(s.summary)) throw hisparse::error(hisparse::status::invalid_argument, "unknown fine_summary");
         if (q_heads < 1 || q_heads % kv_heads != 0)
           throw hisparse::error(hisparse::status::invalid_argument, "q_heads must be a positive multiple of kv_heads");
@@ -332,6 +534,18 @@ __attribute__((visibility("default"))) int hisparse_cache_free_sequence(std::int
         cache_base& c = find(handle, "free_sequence");
         on_device(c.shape.device, [&] { c.free_sequence(slot, static_cast<cudaStream_t>(stream)); return 0; });
         return 0;
+      },
+      -1);
+}
+
+/// top_k_fine of a preset the cache serves (the width of its kept slices), else -1.
+__attribute__((visibility("default"))) int hisparse_cache_kept_width(std::int64_t handle, const char* preset) {
+  using namespace hisparse::torch_ops;
+  return guarded(
+      [&] {
+        const cache_base& c = find(handle, "kept_width");
+        const hisparse::preset_id id = preset_named(preset);
+        return c.serves(id) ? c.kept_width(id) : -1;
       },
       -1);
 }

@@ -17,6 +17,6 @@ torch.ops.load_library(str(_libs[0]))
 _library_path = str(_libs[0])
 
 from .ops import activation_topk, gated_gemv, topk  # noqa: E402  (registers the fake kernels)
-from .cache import PagedKVCache, PRESETS  # noqa: E402
+from .cache import PagedKVCache, PRESETS, Selection  # noqa: E402
 
-__all__ = ["PagedKVCache", "PRESETS", "activation_topk", "gated_gemv", "topk"]
+__all__ = ["PagedKVCache", "PRESETS", "Selection", "activation_topk", "gated_gemv", "topk"]

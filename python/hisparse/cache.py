@@ -4,7 +4,7 @@ Python over a small C interface; the per-step work (append, decode) is two
 torch ops, so a step traces under torch.compile and replays from a CUDA graph.
 """
 import ctypes
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -25,16 +25,34 @@ _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 # The overloads themselves: resolving them per call costs host time.
 _append = torch.ops.hisparse.cache_append.default
 _decode = torch.ops.hisparse.cache_decode.default
+_decode_out = torch.ops.hisparse.cache_decode_out.default
+_decode_kept = torch.ops.hisparse.cache_decode_kept.default
+_prefill = torch.ops.hisparse.cache_prefill.default
 
 _c = ctypes.CDLL(_library_path)
 _c.hisparse_last_error.restype = ctypes.c_char_p
 _c.hisparse_cache_create.restype = ctypes.c_int64
-_c.hisparse_cache_create.argtypes = [ctypes.c_int] * 7 + [ctypes.c_int64] + [ctypes.c_int] * 4
+_c.hisparse_cache_create.argtypes = [ctypes.c_int] * 7 + [ctypes.c_int64] + [ctypes.c_int] * 4 + [ctypes.c_int64]
+_c.hisparse_cache_kept_width.argtypes = [ctypes.c_int64, ctypes.c_char_p]
 _c.hisparse_cache_destroy.argtypes = [ctypes.c_int64]
 _c.hisparse_cache_add_sequence.argtypes = [ctypes.c_int64, ctypes.c_int64]
 _c.hisparse_cache_free_sequence.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
 _c.hisparse_cache_length.restype = ctypes.c_int64
 _c.hisparse_cache_length.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+
+
+# (cache handle, preset) -> (kv_heads, top_k_fine): the shape of a row's kept
+# slices, which the fake kernel of cache_decode_kept reads while tracing.
+_KEPT_SHAPE: Dict[Tuple[int, str], Tuple[int, int]] = {}
+
+
+class Selection(NamedTuple):
+    """What a decode step attended besides its window: per (row, KV head)
+    the kept slice ids (ascending, then -1), their count, and per row the
+    first position of the window [window_begin, length)."""
+    slices: torch.Tensor        # int32 [batch, kv_heads, top_k_fine]
+    counts: torch.Tensor        # int32 [batch, kv_heads]
+    window_begin: torch.Tensor  # int32 [batch]
 
 
 def _checked(result):
@@ -52,6 +70,9 @@ class PagedKVCache:
     ``device`` (not torch's caching allocator), grown page by page as
     sequences grow; ``close()`` (or the end of the object) gives it back.
 
+    ``max_prefill_tokens`` > 0 plans ``prefill`` for calls of up to that
+    many queries.
+
     ``lengths`` is a [max_sequences, num_layers] int32 tensor on the device:
     the tokens each (sequence, layer) holds, written by ``append``.
     """
@@ -59,7 +80,7 @@ class PagedKVCache:
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_q_heads: int,
                  max_sequences: int, max_context: int, dtype: torch.dtype = torch.bfloat16,
                  device=None, fine_slice: int = 64, coarse_block: int = 1024,
-                 fine_summary: str = "mean", topk_cache_slices: int = 0):
+                 fine_summary: str = "mean", topk_cache_slices: int = 0, max_prefill_tokens: int = 0):
         if dtype not in _DTYPES:
             raise ValueError(f"hisparse.PagedKVCache: dtype must be bfloat16 or float16, not {dtype}")
         if fine_summary not in _FINE_SUMMARIES:
@@ -75,7 +96,12 @@ class PagedKVCache:
         self.num_q_heads, self.max_sequences = num_q_heads, max_sequences
         self._handle = _checked(_c.hisparse_cache_create(
             device.index, _DTYPES[dtype], num_layers, num_kv_heads, head_dim, num_q_heads, max_sequences,
-            max_context, fine_slice, coarse_block, _FINE_SUMMARIES[fine_summary], topk_cache_slices))
+            max_context, fine_slice, coarse_block, _FINE_SUMMARIES[fine_summary], topk_cache_slices,
+            max_prefill_tokens))
+        for name in PRESETS:
+            width = _c.hisparse_cache_kept_width(self._handle, name.encode())
+            if width > 0:
+                _KEPT_SHAPE[(self._handle, name)] = (num_kv_heads, width)
         self.lengths = torch.zeros(max_sequences, num_layers, dtype=torch.int32, device=device)
 
     @property
@@ -108,18 +134,46 @@ class PagedKVCache:
         counts = [1] * len(slots) if counts is None else [int(c) for c in counts]
         _append(self.lengths, self.handle, layer, slots, counts, k, v)
 
-    def decode(self, q: torch.Tensor, slots: torch.Tensor, layer: int = 0, preset: str = "standard"
+    def decode(self, q: torch.Tensor, slots: torch.Tensor, layer: int = 0, preset: str = "standard", *,
+               out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None
                ) -> Tuple[torch.Tensor, torch.Tensor]:
         """One sparse decode step: q [batch, q_heads, head_dim] (the cache's
         dtype), slots int32 [batch] on the device. Returns (out like q, lse
-        fp32 [batch, q_heads], natural log). No allocation by the library,
-        no sync: capturable in a CUDA graph."""
-        return _decode(self.lengths, self.handle, layer, q, slots, preset)
+        fp32 [batch, q_heads], natural log), written into ``out`` and ``lse``
+        where both are given (no allocation at all). No allocation by the
+        library, no sync: capturable in a CUDA graph."""
+        if out is None and lse is None:
+            return _decode(self.lengths, self.handle, layer, q, slots, preset)
+        if out is None or lse is None:
+            raise ValueError("hisparse.PagedKVCache.decode: give both out and lse, or neither")
+        _decode_out(self.lengths, self.handle, layer, q, slots, preset, out, lse)
+        return out, lse
+
+    def decode_kept(self, q: torch.Tensor, slots: torch.Tensor, layer: int = 0, preset: str = "standard"
+                    ) -> Tuple[torch.Tensor, torch.Tensor, Selection]:
+        """``decode``, also returning the step's ``Selection``."""
+        out, lse, slices, counts, window_begin = _decode_kept(self.lengths, self.handle, layer, q, slots, preset)
+        return out, lse, Selection(slices, counts, window_begin)
+
+    def prefill(self, q: torch.Tensor, slots: Sequence[int], q_begins: Sequence[int], counts: Sequence[int],
+                layer: int = 0, preset: str = "standard") -> Tuple[torch.Tensor, torch.Tensor]:
+        """Causal sparse attention for prompt chunks whose keys and values
+        are already appended: chunk i is the ``counts[i]`` queries of
+        sequence ``slots[i]`` from position ``q_begins[i]`` (a multiple of
+        the preset's query tile, 64), packed in order in q [queries, q_heads,
+        head_dim]. Each query attends to its tile's kept slices and its
+        window up to itself. Returns (out like q, lse fp32 [queries,
+        q_heads]). Needs ``max_prefill_tokens`` >= queries. No sync;
+        capturable (a replay repeats the captured chunks)."""
+        return _prefill(self.lengths, self.handle, layer, q, [int(s) for s in slots], [int(b) for b in q_begins],
+                        [int(c) for c in counts], preset)
 
     def close(self) -> None:
         """Frees the cache's memory (after its last queued work). Safe to call twice."""
         if self._handle >= 0:
             handle, self._handle = self._handle, -1
+            for name in PRESETS:
+                _KEPT_SHAPE.pop((handle, name), None)
             _checked(_c.hisparse_cache_destroy(handle))
 
     def __enter__(self):
@@ -133,3 +187,42 @@ class PagedKVCache:
             self.close()
         except Exception:
             pass
+
+
+@torch.library.register_fake("hisparse::cache_append")
+def _cache_append_fake(lengths, cache, layer, slots, counts, k, v):
+    return None
+
+
+def _check_q(q, op):
+    torch._check(q.dim() == 3, lambda: f"hisparse.{op}: q must be [rows, q_heads, head_dim]")
+
+
+@torch.library.register_fake("hisparse::cache_decode")
+def _cache_decode_fake(lengths, cache, layer, q, slots, preset):
+    _check_q(q, "cache_decode")
+    return torch.empty_like(q), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
+
+
+@torch.library.register_fake("hisparse::cache_decode_out")
+def _cache_decode_out_fake(lengths, cache, layer, q, slots, preset, out, lse):
+    _check_q(q, "cache_decode_out")
+    return None
+
+
+@torch.library.register_fake("hisparse::cache_decode_kept")
+def _cache_decode_kept_fake(lengths, cache, layer, q, slots, preset):
+    _check_q(q, "cache_decode_kept")
+    shape = _KEPT_SHAPE.get((cache, preset))
+    torch._check(shape is not None, lambda: f"hisparse.cache_decode_kept: cache {cache} does not serve '{preset}'")
+    batch, (kv_heads, width) = q.shape[0], shape
+    i32 = torch.int32
+    return (torch.empty_like(q), q.new_empty(batch, q.shape[1], dtype=torch.float32),
+            q.new_empty(batch, kv_heads, width, dtype=i32), q.new_empty(batch, kv_heads, dtype=i32),
+            q.new_empty(batch, dtype=i32))
+
+
+@torch.library.register_fake("hisparse::cache_prefill")
+def _cache_prefill_fake(lengths, cache, layer, q, slots, q_begins, counts, preset):
+    _check_q(q, "cache_prefill")
+    return torch.empty_like(q), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)

@@ -75,14 +75,3 @@ def _activation_topk_fake(a, gate, k_max, k_per_row=None, threshold=None):
 def _gated_gemv_fake(wt, indices, values, counts):
     torch._check(wt.dim() == 2, lambda: "hisparse.gated_gemv: wt must be [n, outs]")
     return wt.new_empty(indices.shape[0], wt.shape[1], dtype=torch.float32)
-
-
-@torch.library.register_fake("hisparse::cache_append")
-def _cache_append_fake(lengths, cache, layer, slots, counts, k, v):
-    return None
-
-
-@torch.library.register_fake("hisparse::cache_decode")
-def _cache_decode_fake(lengths, cache, layer, q, slots, preset):
-    torch._check(q.dim() == 3, lambda: "hisparse.cache_decode: q must be [batch, q_heads, head_dim]")
-    return torch.empty_like(q), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)

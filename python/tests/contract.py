@@ -72,25 +72,29 @@ def window_start(p0: int, window: int, fine: int) -> int:
     return max(0, (p0 - window + 1) // fine * fine)
 
 
-def decode_selection(keys, q_group_sum, cfg):
-    """Kept far positions of one (sequence, KV head) at decode.
-
-    keys [T, D] float64 of one KV head; q_group_sum [D] the group's queries
-    summed; cfg (window, coarse_block, fine_slice, top_k_coarse, top_k_fine).
-    """
+def kept_slices(keys, q_group_sums, ws, cfg):
+    """Kept far slice ids (ascending) of one (tile, KV head): keys [T, D]
+    float64 of one KV head, q_group_sums [m, D] each query of the tile with
+    its group's heads summed, ws the tile's window start. Block and slice
+    scores are the max over the tile's queries."""
     window, C, F, kc, kf = cfg
+    blocks = [b for b in range(ws // C + 1) if b * C < ws]
+    if not blocks:
+        return []
+    block_means = torch.stack([keys[b * C:min((b + 1) * C, ws)].mean(0) for b in blocks])
+    kept_blocks = [blocks[i] for i in ranked((block_means @ q_group_sums.T).amax(1))[:kc].tolist()]
+    slices = sorted(s for b in kept_blocks for s in range(b * C // F, (b + 1) * C // F) if (s + 1) * F <= ws)
+    slice_means = torch.stack([keys[s * F:(s + 1) * F].mean(0) for s in slices])
+    return sorted(slices[i] for i in ranked((slice_means @ q_group_sums.T).amax(1))[:kf].tolist())
+
+
+def decode_selection(keys, q_group_sum, cfg):
+    """Kept far positions and the window of one (sequence, KV head) at
+    decode: q_group_sum [D] the group's queries summed."""
+    window, _, F, _, _ = cfg
     T = keys.shape[0]
     ws = window_start(T - 1, window, F)
-    blocks = [b for b in range(T // C + 1) if b * C < ws]
-    if not blocks:
-        return torch.arange(ws, T)
-    block_means = torch.stack([keys[b * C:min((b + 1) * C, ws)].mean(0) for b in blocks])
-    kept_blocks = [blocks[i] for i in ranked(block_means @ q_group_sum)[:kc].tolist()]
-    slices = [s for b in kept_blocks for s in range(b * C // F, (b + 1) * C // F) if (s + 1) * F <= ws]
-    slices.sort()
-    slice_means = torch.stack([keys[s * F:(s + 1) * F].mean(0) for s in slices])
-    kept = sorted(slices[i] for i in ranked(slice_means @ q_group_sum)[:kf].tolist())
-    far = [torch.arange(s * F, (s + 1) * F) for s in kept]
+    far = [torch.arange(s * F, (s + 1) * F) for s in kept_slices(keys, q_group_sum[None], ws, cfg)]
     return torch.cat(far + [torch.arange(ws, T)])
 
 
@@ -116,4 +120,40 @@ def decode(keys, values, q, cfg, low_precision=None):
             lp = low_precision
             s_lp = (q[heads].to(lp) @ keys[pos, h].to(lp).T) / math.sqrt(D)
             naive[heads] = (torch.softmax(s_lp.float(), dim=1).to(lp) @ values[pos, h].to(lp)).double()
+    return out, lse, naive
+
+
+def prefill(keys, values, q, q_begin, cfg, tile=64, low_precision=None):
+    """Prefill output and LSE for the queries at positions q_begin ..
+    q_begin + n - 1 of one sequence (q [n, Hq, D], q_begin a multiple of
+    the tile): each tile of `tile` positions shares one selection per KV
+    head, and the query at p attends its tile's kept slices and [ws, p].
+    Returns (out [n, Hq, D], lse [n, Hq], naive) as decode does."""
+    _, hkv, D = keys.shape
+    n, hq, _ = q.shape
+    G = hq // hkv
+    window, _, F, _, _ = cfg
+    k64, v64, q64 = keys.double(), values.double(), q.double()
+    out = torch.empty(n, hq, D, dtype=torch.float64, device=keys.device)
+    lse = torch.empty(n, hq, dtype=torch.float64, device=keys.device)
+    naive = torch.empty(n, hq, D, dtype=torch.float64, device=keys.device)
+    for t0 in range(0, n, tile):
+        rows = slice(t0, min(n, t0 + tile))
+        first, last = q_begin + t0, q_begin + rows.stop - 1
+        ws = window_start(first, window, F)
+        positions = torch.arange(first, last + 1, device=keys.device)
+        for h in range(hkv):
+            heads = slice(h * G, (h + 1) * G)
+            far = [torch.arange(s * F, (s + 1) * F) for s in kept_slices(k64[:, h], q64[rows, heads].sum(1), ws, cfg)]
+            pos = torch.cat(far + [torch.arange(ws, last + 1)]).to(keys.device)
+            hidden = pos[None, :] > positions[:, None]  # [m, keys]: the causal mask
+            s = torch.einsum("mgd,kd->mgk", q64[rows, heads], k64[pos, h]) / math.sqrt(D)
+            s = s.masked_fill(hidden[:, None, :], -math.inf)
+            lse[rows, heads] = torch.logsumexp(s, dim=2)
+            out[rows, heads] = torch.softmax(s, dim=2) @ v64[pos, h]
+            if low_precision is not None:
+                lp = low_precision
+                s_lp = torch.einsum("mgd,kd->mgk", q[rows, heads].to(lp), keys[pos, h].to(lp)) / math.sqrt(D)
+                s_lp = s_lp.float().masked_fill(hidden[:, None, :], -math.inf)
+                naive[rows, heads] = (torch.softmax(s_lp, dim=2).to(lp) @ values[pos, h].to(lp)).double()
     return out, lse, naive

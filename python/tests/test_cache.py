@@ -17,15 +17,17 @@ CONFIGS = {"standard": (512, 1024, 64, 32, 16), "high_recall": (512, 1024, 64, 6
 ATOL = 1e-5
 
 
-def filled_cache(lengths, *, hq=32, hkv=8, dim=128, dtype=torch.bfloat16, preset="standard", layers=1, seed=0):
+def filled_cache(lengths, *, hq=32, hkv=8, dim=128, dtype=torch.bfloat16, preset="standard", layers=1, seed=0,
+                 max_prefill_tokens=0, room=64):
     """A cache holding random K/V for each length, appended the way an engine
-    does: the prompt in two chunks, then single-token decode appends."""
+    does: the prompt in two chunks, then single-token decode appends; each
+    sequence has `room` tokens reserved past its length."""
     _, block, fine, _, _ = CONFIGS[preset]
     gen = torch.Generator(device="cuda").manual_seed(seed)
     cache = hisparse.PagedKVCache(num_layers=layers, num_kv_heads=hkv, head_dim=dim, num_q_heads=hq,
-                                  max_sequences=len(lengths), max_context=max(lengths) + 64, dtype=dtype,
-                                  fine_slice=fine, coarse_block=block)
-    slots = [cache.add_sequence(n + 64) for n in lengths]
+                                  max_sequences=len(lengths), max_context=max(lengths) + room, dtype=dtype,
+                                  fine_slice=fine, coarse_block=block, max_prefill_tokens=max_prefill_tokens)
+    slots = [cache.add_sequence(n + room) for n in lengths]
     keys = [torch.rand(n, hkv, dim, device="cuda", generator=gen, dtype=torch.float32).sub_(0.5).to(dtype)
             for n in lengths]
     values = [torch.rand(n, hkv, dim, device="cuda", generator=gen, dtype=torch.float32).sub_(0.5).to(dtype)
@@ -208,3 +210,154 @@ def test_cuda_graph_replay_follows_appends():
         expected = cache.decode(q, s)
         torch.cuda.synchronize()
         assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
+
+
+def test_decode_kept_is_the_contracts_selection():
+    """The kept slices, their counts and the window start are the contract's,
+    and the output is decode's, bit for bit."""
+    lengths = [1, 700, 5000, 40000]
+    cache, slots, keys, _ = filled_cache(lengths, seed=21)
+    q = (torch.rand(4, 32, 128, device="cuda") * 8 - 4).bfloat16()
+    s = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    out, lse, sel = cache.decode_kept(q, s)
+    plain = cache.decode(q, s)
+    assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1])
+    window, _, fine, _, kf = CONFIGS["standard"]
+    assert sel.slices.shape == (4, 8, kf) and sel.counts.shape == (4, 8) and sel.window_begin.shape == (4,)
+    for b, n in enumerate(lengths):
+        ws = contract.window_start(n - 1, window, fine)
+        assert sel.window_begin[b].item() == ws
+        for h in range(8):
+            kept = contract.kept_slices(keys[b][:, h].double(), q[b, h * 4:(h + 1) * 4].double().sum(0)[None], ws,
+                                        CONFIGS["standard"])
+            assert sel.counts[b, h].item() == len(kept)
+            assert sel.slices[b, h].tolist() == kept + [-1] * (kf - len(kept)), f"sequence {b}, KV head {h}"
+
+
+def test_decode_into_given_tensors():
+    lengths = [3000, 25000]
+    cache, slots, _, _ = filled_cache(lengths, seed=22)
+    q = (torch.rand(2, 32, 128, device="cuda") * 8 - 4).bfloat16()
+    s = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((2, 32), float("nan"), device="cuda")
+    got = cache.decode(q, s, out=out, lse=lse)
+    assert got[0] is out and got[1] is lse
+    expected = cache.decode(q, s)
+    assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
+    with pytest.raises(RuntimeError, match="out's dimension 1 must be 32"):
+        cache.decode(q, s, out=out[:, :16].contiguous(), lse=lse)
+    with pytest.raises(RuntimeError, match="lse must be float32"):
+        cache.decode(q, s, out=out, lse=lse.double())
+    with pytest.raises(RuntimeError, match="out must be contiguous"):
+        cache.decode(q, s, out=out.transpose(0, 1).contiguous().transpose(0, 1), lse=lse)
+    with pytest.raises(ValueError, match="both out and lse"):
+        cache.decode(q, s, out=out)
+    torch.library.opcheck(ops.cache_decode_out.default, (cache.lengths, cache.handle, 0, q, s, "standard", out, lse))
+    torch.library.opcheck(ops.cache_decode_kept.default, (cache.lengths, cache.handle, 0, q, s, "standard"))
+
+
+def test_cuda_graph_decode_into_given_tensors():
+    cache, slots, _, _ = filled_cache([6000, 9000], seed=23)
+    s = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    q = (torch.rand(2, 32, 128, device="cuda") * 8 - 4).bfloat16()
+    out, lse = torch.empty_like(q), torch.empty(2, 32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        cache.decode(q, s, out=out, lse=lse)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        cache.decode(q, s, out=out, lse=lse)
+    kv = torch.rand(2, 8, 128, device="cuda").bfloat16()
+    cache.append(0, slots, kv, kv)
+    g.replay()
+    expected = cache.decode(q, s)
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
+
+
+def prefill_case(lengths, chunks, *, preset="standard", seed=30, max_prefill_tokens=1024):
+    """A cache holding `lengths`, and queries for chunks (sequence index,
+    first position, count) whose keys are all stored."""
+    cache, slots, keys, values = filled_cache(lengths, preset=preset, seed=seed,
+                                              max_prefill_tokens=max_prefill_tokens)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    q = (torch.rand(sum(c for _, _, c in chunks), 32, 128, device="cuda", generator=gen) * 8 - 4).bfloat16()
+    return cache, slots, keys, values, q
+
+
+@pytest.mark.parametrize("preset,lengths,chunks", [
+    # a tile inside the window only, a partial last tile, far regions of > 32 blocks
+    ("standard", [300, 5000, 40000], [(0, 0, 300), (1, 4864, 136), (2, 39936, 64)]),
+    ("short_context", [20000], [(0, 19456, 500)]),
+])
+def test_prefill_matches_contract(preset, lengths, chunks):
+    cache, slots, keys, values, q = prefill_case(lengths, chunks, preset=preset)
+    out, lse = cache.prefill(q, [slots[i] for i, _, _ in chunks], [b for _, b, _ in chunks],
+                             [c for _, _, c in chunks], 0, preset)
+    row = 0
+    for i, begin, count in chunks:
+        rows = slice(row, row + count)
+        ref, ref_lse, naive = contract.prefill(keys[i], values[i], q[rows], begin, CONFIGS[preset],
+                                               low_precision=q.dtype)
+        err = (out[rows].double() - ref).abs().max().item()
+        err_naive = (naive - ref).abs().max().item()
+        assert err <= 2 * err_naive + ATOL, f"chunk {i}: |out - ref| {err:.3g}, naive {err_naive:.3g}"
+        assert (lse[rows].double() - ref_lse).abs().max().item() <= 1e-4 * ref_lse.abs().max().item() + 1e-5
+        row += count
+
+
+def test_prefill_chunking_does_not_change_the_result():
+    """The same queries prefilled in one call or in two chunks of whole tiles."""
+    cache, slots, _, _, q = prefill_case([9000], [(0, 8704, 296)])
+    whole, whole_lse = cache.prefill(q, slots, [8704], [296])
+    first, first_lse = cache.prefill(q[:128].contiguous(), slots, [8704], [128])
+    rest, rest_lse = cache.prefill(q[128:].contiguous(), slots, [8832], [168])
+    assert torch.equal(whole, torch.cat([first, rest])) and torch.equal(whole_lse, torch.cat([first_lse, rest_lse]))
+
+
+def test_prefill_errors_and_opcheck():
+    cache, slots, _, _, q = prefill_case([3000], [(0, 2944, 56)], max_prefill_tokens=128)
+    with pytest.raises(RuntimeError, match="multiple of the query tile 64"):
+        cache.prefill(q, slots, [2940], [56])
+    with pytest.raises(RuntimeError, match="append a chunk's keys and values before its prefill"):
+        cache.prefill(q, slots, [3008], [56])
+    with pytest.raises(RuntimeError, match="the chunks hold 50 queries, q has 56"):
+        cache.prefill(q, slots, [2944], [50])
+    big = torch.rand(200, 32, 128, device="cuda").bfloat16()
+    with pytest.raises(RuntimeError, match="raise max_prefill_tokens"):
+        cache.prefill(big, slots, [2752], [200])
+    with pytest.raises(RuntimeError, match="chunk 0 \\(slot 1, first 0, queries 56\\) is out of range"):
+        cache.prefill(q, [1], [0], [56])
+    torch.library.opcheck(ops.cache_prefill.default, (cache.lengths, cache.handle, 0, q, slots, [2944], [56],
+                                                      "standard"))
+    cache.free_sequence(slots[0])
+    with pytest.raises(RuntimeError, match="slot 0 holds no sequence"):
+        cache.prefill(q, slots, [2944], [56])
+    decode_only, dslots, _, _ = filled_cache([100], seed=31)
+    with pytest.raises(RuntimeError, match="max_prefill_tokens = 0"):
+        decode_only.prefill(q[:50].contiguous(), dslots, [0], [50])
+
+
+def test_compile_fullgraph_prefill_then_decode():
+    """Append a chunk, prefill it, append one token, decode: one graph, eager's result."""
+    runs = []
+    for compiled in (False, True):
+        cache, slots, _, _ = filled_cache([4096], seed=32, max_prefill_tokens=256, room=256)
+        s = torch.tensor(slots, dtype=torch.int32, device="cuda")
+
+        def step(k, v, q, k1, v1, q1):
+            cache.append(0, slots, k, v, counts=[128])
+            out, _ = cache.prefill(q, slots, [4096], [128])
+            cache.append(0, slots, k1, v1)
+            return out, cache.decode(q1, s)[0]
+
+        torch._dynamo.reset()
+        fn = torch.compile(step, fullgraph=True) if compiled else step
+        gen = torch.Generator(device="cuda").manual_seed(33)
+        args = [torch.rand(*shape, device="cuda", generator=gen).bfloat16()
+                for shape in ((128, 8, 128), (128, 8, 128), (128, 32, 128), (1, 8, 128), (1, 8, 128), (1, 32, 128))]
+        runs.append(fn(*args))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])

@@ -21,6 +21,20 @@ def test_cache_fake_kernels_give_shapes():
         assert lse.shape == (3, 32) and lse.dtype == torch.float32
         kv = torch.empty(5, 8, 128, dtype=torch.bfloat16, device="cuda")
         assert ops.cache_append(lengths, 1, 0, [0, 1], [2, 3], kv, kv) is None
+        assert ops.cache_decode_out(lengths, 1, 0, q, slots, "standard", out, lse) is None
+        out, lse = ops.cache_prefill(lengths, 1, 0, q, [0, 1], [0, 64], [1, 2], "standard")
+        assert out.shape == q.shape and lse.shape == (3, 32)
+
+
+def test_decode_kept_fake_kernel_needs_a_known_cache():
+    """The kept slices' width comes from the cache (its preset's top_k_fine):
+    for a handle no PagedKVCache made, tracing fails with the reason."""
+    with FakeTensorMode():
+        lengths = torch.empty(4, 2, dtype=torch.int32, device="cuda")
+        q = torch.empty(3, 32, 128, dtype=torch.bfloat16, device="cuda")
+        slots = torch.empty(3, dtype=torch.int32, device="cuda")
+        with pytest.raises(RuntimeError, match="does not serve 'standard'"):
+            ops.cache_decode_kept(lengths, 12345, 0, q, slots, "standard")
 
 
 def test_select_fake_kernels_give_shapes():

@@ -192,6 +192,9 @@ class sparse_attention_op {
 
   [[nodiscard]] std::size_t workspace_bytes() const { return workspace_bytes_; }
   [[nodiscard]] bool serves(preset_id id) const { return ops_.count(id) != 0; }
+  [[nodiscard]] bool serves_prefill(preset_id id) const { return prefill_ops_.count(id) != 0; }
+  /// The query tile a preset's prefill chunks start on (layout_prefill_segments).
+  [[nodiscard]] int query_tile(preset_id id) const { return prefill_ops_.at(id).config().query_tile; }
   /// The operator of a preset (its selection buffers, for diagnostics).
   [[nodiscard]] const hierarchical_decode<T, Tile>& op(preset_id id) const { return ops_.at(id); }
 
