@@ -3,6 +3,7 @@
 # header-only and torch-free; only python/ depends on torch.
 import os
 import shutil
+import subprocess
 import sysconfig
 
 from setuptools import setup
@@ -31,11 +32,17 @@ if shutil.which(linker):
     nvcc += ["-ccbin", shutil.which(linker)]
 
 # The ops throw C++ exceptions that torch catches and rethrows, so the
-# extension must share torch's C++ runtime: an explicit -lstdc++ ahead of the
-# compiler's own libraries binds it to the shared libstdc++ even where the
+# extension must share torch's C++ runtime: the shared libstdc++ is named as
+# a link input by its path, which binds the extension to it even where the
 # compiler links a static copy by default (the GPU host's /opt/gcc/bin/g++
-# does; with a private copy the first exception an op threw crashed Python).
-link = ["-lstdc++"]
+# does, and rewrites a plain -lstdc++ to the static one too; with a private
+# copy the first exception an op threw crashed Python).
+link = []
+if shutil.which(linker):
+    shared = subprocess.run([shutil.which(linker), "-print-file-name=libstdc++.so.6"], capture_output=True,
+                            text=True).stdout.strip()
+    if os.path.isabs(shared) and os.path.exists(shared):
+        link.append(shared)
 
 setup(
     packages=["hisparse"],
