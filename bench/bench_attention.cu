@@ -213,6 +213,7 @@ void decode_step(benchmark::State& state, const SparseAttentionConfig& cfg, int 
         throw_if_error(sparse.run(stream));
       },
       stream);
+  const double rebind_s = bench::host_seconds_per_call([&] { throw_if_error(sparse.rebind(args)); }, stream);
 
   // Bytes each stage must read. Selection: every candidate block's sum and
   // the kept blocks' fine summaries; attention: K and V of the kept slices
@@ -242,6 +243,7 @@ void decode_step(benchmark::State& state, const SparseAttentionConfig& cfg, int 
   state.counters["copies"] = copies;
   state.counters["eager_step_us"] = bench::median(t_eager) * 1e6;
   state.counters["host_us"] = host_s * 1e6;
+  state.counters["host_rebind_us"] = rebind_s * 1e6;
   state.counters["attention_us"] = attn_s * 1e6;
   state.counters["selection_us"] = sel_s * 1e6;
   state.counters["dense_us"] = dense_s * 1e6;

@@ -68,6 +68,22 @@ template <auto Kernel>
   return status::success;
 }
 
+/// Sets `Kernel`'s preferred shared-memory carveout (cudaSharedmemCarveout*
+/// or a percentage) on this device where it differs from the last one set
+/// here: a launch then costs no driver call for it. The carveout is a hint,
+/// so threads racing with different preferences cost speed, never results.
+template <auto Kernel>
+[[nodiscard]] status prefer_carveout(int carveout) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> last[kMaxDevices];  // carveout + 2; 0: never set
+  int device = 0;
+  HISPARSE_CUDA_TRY(cudaGetDevice(&device));
+  if (device < kMaxDevices && last[device].load(std::memory_order_relaxed) == carveout + 2) return status::success;
+  HISPARSE_CUDA_TRY(cudaFuncSetAttribute(Kernel, cudaFuncAttributePreferredSharedMemoryCarveout, carveout));
+  if (device < kMaxDevices) last[device].store(carveout + 2, std::memory_order_relaxed);
+  return status::success;
+}
+
 #if defined(__CUDACC__)
 /// 16 bytes of static shared memory only in a build for sm_90a, so the host
 /// can tell without a launch whether the build this device loads for this

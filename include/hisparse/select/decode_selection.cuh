@@ -490,20 +490,14 @@ inline selection_smem plan_selection_smem(const SparseAttentionConfig& cfg, std:
   return s;
 }
 
-template <class Q, int D, int S>
-status launch_selection(const decode_params<Q>& p, bool wide, fine_summary fine, int kv_heads, int batch,
-                        cudaStream_t stream) {
-  auto* kernel = dispatch_fine_summary(fine, [&](auto k) {
-    return wide ? &decode_selection_kernel<Q, D, S, true, k()> : &decode_selection_kernel<Q, D, S, false, k()>;
-  });
-  // Every launch (a cheap host call): the static shared memory counts toward
-  // the 48 KB default too, so "dynamic > 48 KB" is not the test.
-  HISPARSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p.smem.bytes));
-  // Set on every launch, either way: the attribute stays with the kernel.
-  HISPARSE_CUDA_TRY(cudaFuncSetAttribute(
-      kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-      p.in.max_shared_carveout ? static_cast<int>(cudaSharedmemCarveoutMaxShared)
-                               : static_cast<int>(cudaSharedmemCarveoutDefault)));
+template <class Q, int D, int S, auto Kernel>
+status launch_selection_kernel(const decode_params<Q>& p, int kv_heads, int batch, cudaStream_t stream) {
+  // Both attributes stay with the kernel, so each is set only where it
+  // changes (kernel_build.hpp): a launch costs no driver call for them.
+  HISPARSE_TRY(hisparse::detail::raise_dynamic_smem<Kernel>(p.smem.bytes));
+  HISPARSE_TRY(hisparse::detail::prefer_carveout<Kernel>(p.in.max_shared_carveout
+                                                             ? static_cast<int>(cudaSharedmemCarveoutMaxShared)
+                                                             : static_cast<int>(cudaSharedmemCarveoutDefault)));
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(kv_heads * S), static_cast<unsigned>(batch));
   config.blockDim = dim3(kSelectThreads);
@@ -518,8 +512,17 @@ status launch_selection(const decode_params<Q>& p, bool wide, fine_summary fine,
     config.attrs = attribute;
     config.numAttrs = 1;
   }
-  HISPARSE_CUDA_TRY(cudaLaunchKernelEx(&config, kernel, p));
+  HISPARSE_CUDA_TRY(cudaLaunchKernelEx(&config, Kernel, p));
   return status::success;
+}
+
+template <class Q, int D, int S>
+status launch_selection(const decode_params<Q>& p, bool wide, fine_summary fine, int kv_heads, int batch,
+                        cudaStream_t stream) {
+  return dispatch_fine_summary(fine, [&](auto k) {
+    return wide ? launch_selection_kernel<Q, D, S, &decode_selection_kernel<Q, D, S, true, k()>>(p, kv_heads, batch, stream)
+                : launch_selection_kernel<Q, D, S, &decode_selection_kernel<Q, D, S, false, k()>>(p, kv_heads, batch, stream);
+  });
 }
 
 template <class Q, int D>
