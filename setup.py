@@ -4,6 +4,7 @@
 import os
 import shutil
 import subprocess
+import sys
 import sysconfig
 
 from setuptools import setup
@@ -43,6 +44,9 @@ if shutil.which(linker):
                             text=True).stdout.strip()
     if os.path.isabs(shared) and os.path.exists(shared):
         link.append(shared)
+if not link:
+    print(f"hisparse setup.py: WARNING: {linker} names no shared libstdc++.so.6; if it links libstdc++ "
+          "statically, an op's exception will crash Python", file=sys.stderr)
 
 setup(
     packages=["hisparse"],

@@ -33,7 +33,8 @@ struct cache_shape {
   std::int64_t max_context;
   int fine_slice, coarse_block, topk_cache_slices;
   fine_summary summary;
-  int max_prefill_tiles;  ///< 0: no prefill
+  std::int64_t max_prefill_tokens;  ///< queries a prefill call may hold (0: no prefill)
+  int max_prefill_tiles;            ///< the query tiles they can span
 };
 
 /// Where a decode step also writes its selection (all three or none):
@@ -51,6 +52,7 @@ constexpr int kSegmentsPerLaunch = 64;  // 64 x 20 B, within the 4 KB of paramet
 struct segment_batch {
   select::prefill_segment segs[kSegmentsPerLaunch];
 };
+static_assert(sizeof(segment_batch) + sizeof(void*) + sizeof(int) <= 4096, "the parameters every GPU takes");
 __global__ void write_segments(select::prefill_segment* dst, segment_batch batch, int count) {
   if (static_cast<int>(threadIdx.x) < count) dst[threadIdx.x] = batch.segs[threadIdx.x];
 }
@@ -90,12 +92,8 @@ class cache_impl final : public cache_base {
     in.num_q_heads = s.q_heads;
     in.max_prefill_tiles = s.max_prefill_tiles;
     throw_if_error(op_.init(in));
-    if (s.max_prefill_tiles > 0)
-      segments_ = static_cast<select::prefill_segment*>(pool_.allocate(segments_bytes(), nullptr));
+    if (s.max_prefill_tiles > 0) segments_.allocate(sizeof(select::prefill_segment) * s.max_sequences);
     HISPARSE_CUDA_CHECK(cudaStreamSynchronize(nullptr));  // the cache's and the op's zeroing are done
-  }
-  ~cache_impl() override {
-    if (segments_ != nullptr) pool_.deallocate(segments_, segments_bytes(), nullptr);
   }
   ScalarType dtype() const override {
     return std::is_same_v<T, __nv_bfloat16> ? ScalarType::BFloat16 : ScalarType::Half;
@@ -137,8 +135,10 @@ class cache_impl final : public cache_base {
                std::int64_t q_rows, void* out, float* lse, cudaStream_t stream) override {
     STD_TORCH_CHECK(op_.serves_prefill(preset), "hisparse.cache_prefill: this cache has no prefill for the preset",
                     shape.max_prefill_tiles == 0 ? " (made with max_prefill_tokens = 0)" : "");
-    STD_TORCH_CHECK(!segs.empty() && segs.size() <= static_cast<std::size_t>(shape.max_sequences),
-                    "hisparse.cache_prefill: 1 to max_sequences = ", shape.max_sequences, " chunks a call");
+    STD_TORCH_CHECK(segs.size() <= static_cast<std::size_t>(shape.max_sequences),
+                    "hisparse.cache_prefill: at most max_sequences = ", shape.max_sequences, " chunks a call");
+    STD_TORCH_CHECK(q_rows <= shape.max_prefill_tokens, "hisparse.cache_prefill: ", q_rows,
+                    " queries, more than the cache was made for (max_prefill_tokens = ", shape.max_prefill_tokens, ")");
     std::int32_t max_end = 0;
     for (const auto& g : segs) {
       STD_TORCH_CHECK(g.slot >= 0 && g.slot < shape.max_sequences && cache_.active(g.slot),
@@ -154,20 +154,19 @@ class cache_impl final : public cache_base {
           "cache_prefill");
     const std::int64_t rows = std::int64_t{segs.back().query_offset} + segs.back().num_queries;
     STD_TORCH_CHECK(rows == q_rows, "hisparse.cache_prefill: the chunks hold ", rows, " queries, q has ", q_rows);
-    STD_TORCH_CHECK(tiles <= shape.max_prefill_tiles, "hisparse.cache_prefill: ", tiles,
-                    " query tiles, more than the cache was made for (", shape.max_prefill_tiles,
-                    "; raise max_prefill_tokens)");
+    STD_TORCH_CHECK(tiles <= shape.max_prefill_tiles, "hisparse.cache_prefill: internal: ", tiles,
+                    " query tiles past the planned ", shape.max_prefill_tiles);
     for (std::size_t first = 0; first < segs.size(); first += kSegmentsPerLaunch) {
       const int n = static_cast<int>(std::min<std::size_t>(kSegmentsPerLaunch, segs.size() - first));
       segment_batch batch{};
       std::copy_n(segs.begin() + static_cast<std::ptrdiff_t>(first), n, batch.segs);
-      write_segments<<<1, kSegmentsPerLaunch, 0, stream>>>(segments_ + first, batch, n);
+      write_segments<<<1, kSegmentsPerLaunch, 0, stream>>>(segments_.get() + first, batch, n);
       HISPARSE_CUDA_CHECK(cudaGetLastError());
     }
     typename sparse_attention_op<T, pool_t>::prefill_forward_arguments f;
     f.preset = preset;
     f.queries = static_cast<const T*>(q);
-    f.segments = segments_;
+    f.segments = segments_.get();
     f.num_segments = static_cast<int>(segs.size());
     f.num_tiles = tiles;
     f.max_end = max_end;
@@ -196,12 +195,30 @@ class cache_impl final : public cache_base {
     return o;
   }
 
-  std::size_t segments_bytes() const { return sizeof(select::prefill_segment) * shape.max_sequences; }
+  /// The prefill segments' device buffer, given back to the pool when the
+  /// cache goes (a refused free is dropped, as ~paged_kv_cache does: a
+  /// destructor cannot report it).
+  struct segment_buffer {
+    pool_t* pool;
+    select::prefill_segment* ptr = nullptr;
+    std::size_t bytes = 0;
+    void allocate(std::size_t n) {
+      ptr = static_cast<select::prefill_segment*>(pool->allocate(n, nullptr));
+      bytes = n;
+    }
+    select::prefill_segment* get() const { return ptr; }
+    ~segment_buffer() {
+      try {
+        if (ptr != nullptr) pool->deallocate(ptr, bytes, nullptr);
+      } catch (...) {
+      }
+    }
+  };
 
-  pool_t pool_;  // first: the cache and the op give their memory back to it
+  pool_t pool_;  // first: the cache, the op and the segments give their memory back to it
   kv::paged_kv_cache<T, pool_t> cache_;
   sparse_attention_op<T, pool_t> op_;
-  select::prefill_segment* segments_ = nullptr;  ///< [max_sequences], the last prefill call's layout
+  segment_buffer segments_{&pool_};  ///< [max_sequences], the last prefill call's layout
 };
 
 struct registry {
@@ -225,13 +242,13 @@ cache_base& find(std::int64_t handle, const char* op) {
   return *it->second;
 }
 
-preset_id preset_named(const std::string& name) {
+preset_id preset_named(const std::string& name, const char* op) {
   static const std::vector<std::pair<preset_id, std::string>> presets = preset_registry{}.list();
   for (const auto& [id, n] : presets)
     if (n == name) return id;
   std::string known;
   for (const auto& [id, n] : presets) known += (known.empty() ? "" : ", ") + n;
-  STD_TORCH_CHECK(false, "hisparse.cache_decode: unknown preset name '", name, "' (known: ", known, ")");
+  STD_TORCH_CHECK(false, "hisparse.", op, ": unknown preset name '", name, "' (known: ", known, ")");
   return preset_id::standard;
 }
 
@@ -300,7 +317,7 @@ preset_id check_decode(const Tensor& lengths, const cache_base& c, std::int64_t 
   STD_TORCH_CHECK(slots.size(0) == q.size(0), "hisparse.", op, ": one slot per query row");
   STD_TORCH_CHECK(layer >= 0 && layer < c.shape.layers, "hisparse.", op, ": layer ", layer, " outside [0, ",
                   c.shape.layers, ")");
-  const preset_id id = preset_named(preset);
+  const preset_id id = preset_named(preset, op);
   STD_TORCH_CHECK(c.serves(id), "hisparse.", op, ": this cache cannot serve preset '", preset,
                   "' (its slice/block sizes or fine summary differ)");
   return id;
@@ -344,6 +361,20 @@ void cache_decode_out(Tensor lengths, std::int64_t handle, std::int64_t layer, T
   const preset_id id = check_decode(lengths, c, layer, q, slots, preset, "cache_decode_out");
   expect_output(out, c, "cache_decode_out", "out", {q.size(0), q.size(1), q.size(2)}, c.dtype());
   expect_output(lse, c, "cache_decode_out", "lse", {q.size(0), q.size(1)}, ScalarType::Float);
+  // The step reads q and slots while its CTAs write out and lse (all
+  // contiguous, checked above, so a span is its first byte and its size).
+  struct span {
+    const char* p;
+    std::size_t n;
+  };
+  const std::size_t rows = static_cast<std::size_t>(q.size(0)) * c.shape.q_heads, half = sizeof(std::uint16_t);
+  const span q_s{static_cast<const char*>(q.data_ptr()), rows * c.shape.head_dim * half};
+  const span slots_s{static_cast<const char*>(slots.data_ptr()), static_cast<std::size_t>(q.size(0)) * 4};
+  const span out_s{static_cast<const char*>(out.data_ptr()), q_s.n}, lse_s{static_cast<const char*>(lse.data_ptr()), rows * 4};
+  const auto overlap = [](span a, span b) { return a.n > 0 && b.n > 0 && a.p < b.p + b.n && b.p < a.p + a.n; };
+  STD_TORCH_CHECK(!overlap(out_s, q_s) && !overlap(out_s, slots_s) && !overlap(lse_s, q_s) &&
+                      !overlap(lse_s, slots_s) && !overlap(out_s, lse_s),
+                  "hisparse.cache_decode_out: out and lse must not overlap each other, q or slots");
   run_decode(c, id, layer, q, slots, out, lse, {});
 }
 
@@ -378,7 +409,7 @@ std::tuple<Tensor, Tensor> cache_prefill(Tensor lengths, std::int64_t handle, st
                   "hisparse.cache_prefill: one first position and one query count per sequence");
   STD_TORCH_CHECK(layer >= 0 && layer < c.shape.layers, "hisparse.cache_prefill: layer ", layer, " outside [0, ",
                   c.shape.layers, ")");
-  const preset_id id = preset_named(preset);
+  const preset_id id = preset_named(preset, "cache_prefill");
   std::vector<select::prefill_segment> segs(slots.size());
   constexpr std::int64_t kMax = 0x7FFFFFFF;
   for (std::size_t i = 0; i < segs.size(); ++i) {
@@ -392,6 +423,10 @@ std::tuple<Tensor, Tensor> cache_prefill(Tensor lengths, std::int64_t handle, st
   }
   Tensor out = torch::stable::empty_like(q);
   Tensor lse = torch::stable::new_empty(q, {q.size(0), q.size(1)}, ScalarType::Float);
+  if (segs.empty()) {
+    STD_TORCH_CHECK(q.size(0) == 0, "hisparse.cache_prefill: no chunks, but q has ", q.size(0), " queries");
+    return {out, lse};
+  }
   torch::stable::accelerator::DeviceGuard guard(c.shape.device);
   c.prefill(id, segs, static_cast<int>(layer), q.data_ptr(), q.size(0), out.data_ptr(), data<float>(lse),
             current_stream(q));
@@ -413,12 +448,13 @@ std::invoke_result_t<F&> guarded(F&& f, std::invoke_result_t<F&> on_error) noexc
 }
 
 /// Query tiles a prefill call of `tokens` queries in up to `chunks` chunks
-/// can need: each chunk starts on a tile and may end inside one.
+/// can need: each chunk starts on a tile and may end inside one (and holds
+/// a query at least).
 int prefill_tiles_for(std::int64_t tokens, int chunks) {
   if (tokens == 0) return 0;
   int m = kMaxQueryTile;
   for (const auto& p : kBuiltinPresets) m = std::min(m, p.config.query_tile);
-  return static_cast<int>((tokens + m - 1) / m + chunks);
+  return static_cast<int>((tokens + m - 1) / m + std::min<std::int64_t>(chunks, tokens));
 }
 
 /// Runs f with `device` current, restoring the caller's device after.
@@ -485,7 +521,7 @@ __attribute__((visibility("default"))) std::int64_t hisparse_cache_create(
                             head_dim,     q_heads,          max_sequences,
                             max_context,  fine_slice,       coarse_block,
                             topk_cache_slices, static_cast<hisparse::fine_summary>(fine_summary),
-                            prefill_tiles_for(max_prefill_tokens, max_sequences)};
+                            max_prefill_tokens, prefill_tiles_for(max_prefill_tokens, max_sequences)};
         if (!hisparse::is_valid(s.summary)) throw hisparse::error(hisparse::status::invalid_argument, "unknown fine_summary");
         if (q_heads < 1 || q_heads % kv_heads != 0)
           throw hisparse::error(hisparse::status::invalid_argument, "q_heads must be a positive multiple of kv_heads");
@@ -544,7 +580,7 @@ __attribute__((visibility("default"))) int hisparse_cache_kept_width(std::int64_
   return guarded(
       [&] {
         const cache_base& c = find(handle, "kept_width");
-        const hisparse::preset_id id = preset_named(preset);
+        const hisparse::preset_id id = preset_named(preset, "kept_width");
         return c.serves(id) ? c.kept_width(id) : -1;
       },
       -1);

@@ -71,7 +71,7 @@ class PagedKVCache:
     sequences grow; ``close()`` (or the end of the object) gives it back.
 
     ``max_prefill_tokens`` > 0 plans ``prefill`` for calls of up to that
-    many queries.
+    many queries (0: decode only).
 
     ``lengths`` is a [max_sequences, num_layers] int32 tensor on the device:
     the tokens each (sequence, layer) holds, written by ``append``.
@@ -207,6 +207,10 @@ def _cache_decode_fake(lengths, cache, layer, q, slots, preset):
 @torch.library.register_fake("hisparse::cache_decode_out")
 def _cache_decode_out_fake(lengths, cache, layer, q, slots, preset, out, lse):
     _check_q(q, "cache_decode_out")
+    torch._check(out.shape == q.shape and out.dtype == q.dtype,
+                 lambda: "hisparse.cache_decode_out: out must be like q")
+    torch._check(lse.shape == q.shape[:2] and lse.dtype == torch.float32,
+                 lambda: "hisparse.cache_decode_out: lse must be float32 [batch, q_heads]")
     return None
 
 
@@ -225,4 +229,7 @@ def _cache_decode_kept_fake(lengths, cache, layer, q, slots, preset):
 @torch.library.register_fake("hisparse::cache_prefill")
 def _cache_prefill_fake(lengths, cache, layer, q, slots, q_begins, counts, preset):
     _check_q(q, "cache_prefill")
+    torch._check(len(slots) == len(q_begins) == len(counts),
+                 lambda: "hisparse.cache_prefill: one first position and one query count per sequence")
+    torch._check(sum(counts) == q.shape[0], lambda: "hisparse.cache_prefill: the chunks must hold q's queries")
     return torch.empty_like(q), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)

@@ -47,8 +47,8 @@ def gated_gemv(wt: torch.Tensor, indices: torch.Tensor, values: torch.Tensor,
     """y[r] = W[:, kept_r] @ values[r] over activation_topk's outputs, for W
     stored by column: ``wt`` = W.T, [n, outs], fp16/bf16. Returns fp32
     [rows, outs]. Each column any row keeps is read once for every 8 rows;
-    a row's indices must ascend (as activation_topk writes them); W must be
-    finite."""
+    a row's indices must ascend (as activation_topk writes them); a
+    non-finite weight reaches only the rows that keep its column."""
     return _gated_gemv(wt, indices, values, counts)
 
 

@@ -129,6 +129,7 @@ def prefill(keys, values, q, q_begin, cfg, tile=64, low_precision=None):
     the tile): each tile of `tile` positions shares one selection per KV
     head, and the query at p attends its tile's kept slices and [ws, p].
     Returns (out [n, Hq, D], lse [n, Hq], naive) as decode does."""
+    assert q_begin % tile == 0, "prefill chunks start on a query tile"
     _, hkv, D = keys.shape
     n, hq, _ = q.shape
     G = hq // hkv

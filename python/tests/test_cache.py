@@ -253,6 +253,8 @@ def test_decode_into_given_tensors():
         cache.decode(q, s, out=out.transpose(0, 1).contiguous().transpose(0, 1), lse=lse)
     with pytest.raises(ValueError, match="both out and lse"):
         cache.decode(q, s, out=out)
+    with pytest.raises(RuntimeError, match="must not overlap"):
+        cache.decode(q, s, out=q, lse=lse)
     torch.library.opcheck(ops.cache_decode_out.default, (cache.lengths, cache.handle, 0, q, s, "standard", out, lse))
     torch.library.opcheck(ops.cache_decode_kept.default, (cache.lengths, cache.handle, 0, q, s, "standard"))
 
@@ -327,8 +329,10 @@ def test_prefill_errors_and_opcheck():
     with pytest.raises(RuntimeError, match="the chunks hold 50 queries, q has 56"):
         cache.prefill(q, slots, [2944], [50])
     big = torch.rand(200, 32, 128, device="cuda").bfloat16()
-    with pytest.raises(RuntimeError, match="raise max_prefill_tokens"):
+    with pytest.raises(RuntimeError, match="200 queries, more than the cache was made for \\(max_prefill_tokens = 128"):
         cache.prefill(big, slots, [2752], [200])
+    empty = cache.prefill(q[:0], [], [], [])
+    assert empty[0].shape == (0, 32, 128) and empty[1].shape == (0, 32)
     with pytest.raises(RuntimeError, match="chunk 0 \\(slot 1, first 0, queries 56\\) is out of range"):
         cache.prefill(q, [1], [0], [56])
     torch.library.opcheck(ops.cache_prefill.default, (cache.lengths, cache.handle, 0, q, slots, [2944], [56],
@@ -361,3 +365,37 @@ def test_compile_fullgraph_prefill_then_decode():
                 for shape in ((128, 8, 128), (128, 8, 128), (128, 32, 128), (1, 8, 128), (1, 8, 128), (1, 32, 128))]
         runs.append(fn(*args))
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+def test_prefill_many_chunks_in_one_call():
+    """More chunks than one segment write carries (64): 70 short prompts, each whole."""
+    lengths = [100 + 7 * i for i in range(70)]
+    chunks = [(i, 0, n) for i, n in enumerate(lengths)]
+    cache, slots, keys, values, q = prefill_case(lengths, chunks, max_prefill_tokens=sum(lengths))
+    out, lse = cache.prefill(q, slots, [0] * 70, lengths)
+    row = 0
+    for i, n in enumerate(lengths):
+        ref, ref_lse, naive = contract.prefill(keys[i], values[i], q[row:row + n], 0, CONFIGS["standard"],
+                                               low_precision=q.dtype)
+        err = (out[row:row + n].double() - ref).abs().max().item()
+        assert err <= 2 * (naive - ref).abs().max().item() + ATOL, f"chunk {i}"
+        row += n
+
+
+def test_cuda_graph_replays_prefill():
+    """Captured once, a prefill replays its chunks over new queries in the same buffer."""
+    cache, slots, _, _, q = prefill_case([6000, 3000], [(0, 5888, 112), (1, 2944, 56)])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        cache.prefill(q, slots, [5888, 2944], [112, 56])
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, lse = cache.prefill(q, slots, [5888, 2944], [112, 56])
+    cache.prefill(q[:56].contiguous(), [slots[1]], [2944], [56])  # another layout in the segment buffer
+    q.copy_((torch.rand_like(q, dtype=torch.float32) * 8 - 4).bfloat16())
+    g.replay()
+    expected = cache.prefill(q, slots, [5888, 2944], [112, 56])
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])

@@ -24,6 +24,10 @@ def test_cache_fake_kernels_give_shapes():
         assert ops.cache_decode_out(lengths, 1, 0, q, slots, "standard", out, lse) is None
         out, lse = ops.cache_prefill(lengths, 1, 0, q, [0, 1], [0, 64], [1, 2], "standard")
         assert out.shape == q.shape and lse.shape == (3, 32)
+        with pytest.raises(RuntimeError, match="must hold q's queries"):
+            ops.cache_prefill(lengths, 1, 0, q, [0, 1], [0, 64], [1, 1], "standard")
+        with pytest.raises(RuntimeError, match="out must be like q"):
+            ops.cache_decode_out(lengths, 1, 0, q, slots, "standard", lse, lse)
 
 
 def test_decode_kept_fake_kernel_needs_a_known_cache():

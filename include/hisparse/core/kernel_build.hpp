@@ -7,6 +7,7 @@
 // instruction.
 
 #include <atomic>
+#include <mutex>
 
 #include <cuda_runtime_api.h>
 
@@ -51,36 +52,43 @@ class per_device_flag {
 /// launch needs more than it was last set to on this device. Not only past
 /// 48 KB: the static shared memory counts toward the 48 KB default too (a
 /// 48 KB ring at head_dim 64 failed to launch without this). One record per
-/// kernel (the template argument) and device.
+/// kernel (the template argument) and device; the driver call and the
+/// record change together under a lock, so threads asking for different
+/// sizes leave the largest set, never a record above the driver's limit.
 template <auto Kernel>
 [[nodiscard]] status raise_dynamic_smem(int bytes) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> raised[kMaxDevices];
+  static std::mutex lock;
   int device = 0;
   HISPARSE_CUDA_TRY(cudaGetDevice(&device));
-  if (device < kMaxDevices && raised[device].load(std::memory_order_relaxed) >= bytes) return status::success;
-  HISPARSE_CUDA_TRY(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  if (device < kMaxDevices) {
-    int seen = raised[device].load(std::memory_order_relaxed);
-    while (seen < bytes && !raised[device].compare_exchange_weak(seen, bytes)) {
-    }
+  if (device >= kMaxDevices) {
+    HISPARSE_CUDA_TRY(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    return status::success;
   }
+  if (raised[device].load(std::memory_order_acquire) >= bytes) return status::success;
+  const std::lock_guard guard(lock);
+  if (raised[device].load(std::memory_order_relaxed) >= bytes) return status::success;
+  HISPARSE_CUDA_TRY(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  raised[device].store(bytes, std::memory_order_release);
   return status::success;
 }
 
 /// Sets `Kernel`'s preferred shared-memory carveout (cudaSharedmemCarveout*
 /// or a percentage) on this device where it differs from the last one set
-/// here: a launch then costs no driver call for it. The carveout is a hint,
-/// so threads racing with different preferences cost speed, never results.
+/// here, so a launch costs no driver call for it. Under a lock like
+/// raise_dynamic_smem's: the record always names the carveout last set.
 template <auto Kernel>
 [[nodiscard]] status prefer_carveout(int carveout) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> last[kMaxDevices];  // carveout + 2; 0: never set
+  static std::mutex lock;
   int device = 0;
   HISPARSE_CUDA_TRY(cudaGetDevice(&device));
-  if (device < kMaxDevices && last[device].load(std::memory_order_relaxed) == carveout + 2) return status::success;
+  if (device < kMaxDevices && last[device].load(std::memory_order_acquire) == carveout + 2) return status::success;
+  const std::lock_guard guard(lock);
   HISPARSE_CUDA_TRY(cudaFuncSetAttribute(Kernel, cudaFuncAttributePreferredSharedMemoryCarveout, carveout));
-  if (device < kMaxDevices) last[device].store(carveout + 2, std::memory_order_relaxed);
+  if (device < kMaxDevices) last[device].store(carveout + 2, std::memory_order_release);
   return status::success;
 }
 
