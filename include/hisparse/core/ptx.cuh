@@ -71,23 +71,6 @@ __device__ __forceinline__ float abs_mul_rn(float a, float b) {
   return r;
 }
 
-/// `bit` where a > b (a >= b, a <= b, a == b), else 0: IEEE compares
-/// (setp without .ftz), so subnormals compare as themselves even where the
-/// translation unit is built with -ftz=true, whose compares flush them to 0.
-#define HISPARSE_PTX_BIT_IF(name, op)                                                          \
-  __device__ __forceinline__ unsigned name(float a, float b, unsigned bit) {                  \
-    unsigned r;                                                                               \
-    asm("{\n .reg .pred p;\n setp." op ".f32 p, %1, %2;\n selp.u32 %0, %3, 0, p;\n}\n"        \
-        : "=r"(r)                                                                             \
-        : "f"(a), "f"(b), "r"(bit));                                                          \
-    return r;                                                                                 \
-  }
-HISPARSE_PTX_BIT_IF(bit_if_gt, "gt")
-HISPARSE_PTX_BIT_IF(bit_if_ge, "ge")
-HISPARSE_PTX_BIT_IF(bit_if_le, "le")
-HISPARSE_PTX_BIT_IF(bit_if_eq, "eq")
-#undef HISPARSE_PTX_BIT_IF
-
 /// Two 32-bit words to a shared-memory address in one store.
 __device__ __forceinline__ void st_shared_v2(unsigned addr, unsigned a, unsigned b) {
   asm("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(addr), "r"(a), "r"(b) : "memory");

@@ -342,8 +342,8 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
         src.scores(raw, first, sc);
 #pragma unroll
         for (int j = 0; j < kGateVec; ++j) {
-          mine += static_cast<int>(ptx::bit_if_gt(sc[j], hi_f, valid >> j & 1u));
-          in_bits |= ptx::bit_if_ge(sc[j], lo_f, ptx::bit_if_le(sc[j], hi_f, 1u << j));
+          mine += (valid >> j & 1u) && sc[j] > hi_f ? 1 : 0;
+          in_bits |= (sc[j] >= lo_f && sc[j] <= hi_f ? 1u : 0u) << j;
         }
       } else {
         src.words(raw, first, x);
@@ -393,7 +393,7 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
 
   // 3. Emit in index order: a column's slot is the columns kept before it
   // (those above t, and the first `need` ties at t). Scores compare as
-  // floats (IEEE compares, ptx::bit_if_*), not as ordered words (six instructions): for the word t of
+  // floats, one instruction, not an ordered word's six: for the word t of
   // a number, word(s) > t is s > t's float and word(s) == t is s == it
   // (-0 == +0, NaN neither); for t = 0 (NaN's word) a tie is a NaN and
   // every number is above. A step's kept columns are staged in shared
@@ -414,8 +414,8 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
 #pragma unroll
       for (int j = 0; j < kGateVec; ++j) {
         const bool number = sc[j] == sc[j];
-        above_bits |= t_nan ? (number ? 1u << j : 0u) : ptx::bit_if_gt(sc[j], tf, 1u << j);
-        tie_bits |= t_nan ? (number ? 0u : 1u << j) : ptx::bit_if_eq(sc[j], tf, 1u << j);
+        above_bits |= (t_nan ? number : sc[j] > tf) ? 1u << j : 0u;
+        tie_bits |= (t_nan ? !number : sc[j] == tf) ? 1u << j : 0u;
       }
       const unsigned valid = src.valid_mask(first);
       above_bits &= valid;
