@@ -6,8 +6,7 @@
 // zeros, negative gates), per-row K and thresholds, offsets past 2^31,
 // subnormal scores, non-finite weights and stray indices in the GEMV, and a
 // captured graph (argument checks: test_topk_host.cu). Outputs start
-// poisoned. Built twice: test_gpu_gating_ftz (-ftz=true) holds the
-// subnormal and non-finite cases only.
+// poisoned.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -130,7 +129,6 @@ gating_problem<T, G> random_problem(int rows, int n, std::int64_t stride, int k_
 
 }  // namespace
 
-#ifndef HISPARSE_TEST_FTZ  // test_gpu_gating_ftz: the two cases after this block only
 TEST_CASE("activation top-k on the GPU equals the reference on random rows", "[gpu][gating]") {
   HISPARSE_REQUIRE_GPU();
   const std::uint64_t seed = test::fresh_seed();
@@ -311,8 +309,6 @@ TEST_CASE("the gated GEMV equals the reference for batches of 1 to 8, and is det
   }
 }
 
-#endif  // HISPARSE_TEST_FTZ
-
 TEST_CASE("the gated GEMV: a non-finite weight reaches only the rows that keep its column; stray indices are skipped",
           "[gpu][gating]") {
   HISPARSE_REQUIRE_GPU();
@@ -375,15 +371,15 @@ TEST_CASE("the gated GEMV: a non-finite weight reaches only the rows that keep i
   REQUIRE(std::isfinite(got[static_cast<std::size_t>(outs + 10)]));
 }
 
-TEST_CASE("activation top-k ranks subnormal scores (this file is also built with -ftz=true)", "[gpu][gating]") {
+TEST_CASE("activation top-k ranks subnormal scores", "[gpu][gating]") {
   HISPARSE_REQUIRE_GPU();
   const std::uint64_t seed = test::fresh_seed();
   INFO("seed " << seed);
   workload::splitmix64 rng(seed);
   const int rows = 4, n = 5000, k_max = 300;
   // bf16 activations that are fp32 subnormals under gates near 1, and fp16
-  // activations under gates small enough for subnormal products: ftz
-  // arithmetic would score them all 0 and keep the lowest indices instead.
+  // activations under gates small enough for subnormal products: flushed
+  // to 0 they would all tie and the lowest indices would be kept instead.
   gating_problem<__nv_bfloat16, float> sub(rows, n, n, k_max);
   for (int r = 0; r < rows; ++r)
     for (int i = 0; i < n; ++i) {
@@ -401,7 +397,6 @@ TEST_CASE("activation top-k ranks subnormal scores (this file is also built with
   check_problem(tiny);
 }
 
-#ifndef HISPARSE_TEST_FTZ
 TEST_CASE("activation top-k and the gated GEMV replay from a captured graph", "[gpu][gating]") {
   HISPARSE_REQUIRE_GPU();
   const std::uint64_t seed = test::fresh_seed();
@@ -445,4 +440,3 @@ TEST_CASE("activation top-k and the gated GEMV replay from a captured graph", "[
   HISPARSE_CUDA_CHECK(cudaGraphDestroy(graph));
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
-#endif  // HISPARSE_TEST_FTZ
