@@ -1,5 +1,6 @@
 // The admission scheduler on the host: its forecast's peak against a brute
-// force, rejections, the bound on bypassing the oldest request, and a
+// force, its admissions against the forecast at the budget's edge,
+// rejections, the bound on bypassing the oldest request, and a
 // deterministic simulation of thousands of requests of mixed lengths under
 // the 7B model's page sizes: no step over the budget, every request served,
 // and the budget used.
@@ -58,6 +59,43 @@ TEST_CASE("the scheduler's forecast peak is the brute-force peak", "[runtime][sc
     }
     REQUIRE(s.forecast_peak() == brute);
   }
+}
+
+TEST_CASE("admission takes a request exactly when the forecast with it fits", "[runtime][scheduler]") {
+  // admit() tries waiting requests against the running requests' profile;
+  // its decisions must be forecast_peak's, at the boundary too.
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  workload::splitmix64 rng(seed);
+  auto bytes = [](std::int64_t t) { return static_cast<std::size_t>((t + 15) / 16) * 100; };
+  int admitted = 0, refused = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    admission_scheduler::options o;
+    o.budget_bytes = std::size_t{1} << 40;
+    admission_scheduler s(o, bytes);
+    const int n = static_cast<int>(rng.below(10));
+    for (int i = 0; i < n; ++i) {
+      REQUIRE(s.submit(request(i, 1 + rng.below(300), rng.below(200))) == status::success);
+      (void)s.admit();
+      for (int k = 0; k < static_cast<int>(rng.below(40)); ++k) (void)s.step();
+    }
+    const serving_request c = request(100, 1 + rng.below(300), rng.below(200));
+    const std::size_t with = s.forecast_peak(&c);
+    // A budget just below, at or just above the forecast with the candidate
+    // (never below what already runs).
+    const std::size_t budget = std::max(with - 100 + 100 * static_cast<std::size_t>(rng.below(3)), s.forecast_peak());
+    s.set_budget(budget);
+    const bool expect = with <= budget;
+    if (s.submit(c) != status::success) {  // its own last step alone is over the budget
+      REQUIRE(!expect);
+      ++refused;
+      continue;
+    }
+    REQUIRE((s.admit().size() == 1) == expect);
+    (expect ? admitted : refused) += 1;
+  }
+  CHECK(admitted > 50);
+  CHECK(refused > 50);
 }
 
 TEST_CASE("the scheduler rejects what can never fit and finishes early stops", "[runtime][scheduler][errors]") {

@@ -12,7 +12,9 @@
 // The forecast's peak: each request's bytes grow until it ends and then
 // drop to zero, so the total is largest just before some request ends;
 // checking those instants (and now) is exact. O(n^2) in the running
-// requests, host only.
+// requests, host only. Admission computes the running requests' totals at
+// their instants once and tries each waiting request against them in
+// O(n): the same sums, so the same decisions as forecast_peak.
 //
 // Requests larger than the whole budget are rejected at submit, with the
 // reason; every other request is eventually admitted (first come, first
@@ -72,15 +74,17 @@ class admission_scheduler {
   /// admitted requests start holding their prompt. Returns them.
   std::vector<serving_request> admit() {
     std::vector<serving_request> admitted;
+    std::vector<instant> profile = running_profile();
     for (auto it = waiting_.begin(); it != waiting_.end();) {
       if (opt_.max_running > 0 && static_cast<int>(running_.size()) >= opt_.max_running) break;
       const bool oldest = it == waiting_.begin();
       if (!oldest && waiting_.front().passed >= opt_.max_bypass) break;  // the oldest goes next
-      if (forecast_peak(&it->request) <= opt_.budget_bytes) {
+      if (peak_with(profile, it->request) <= opt_.budget_bytes) {
         running_.push_back({it->request, it->request.prompt_tokens});
         admitted.push_back(it->request);
         if (!oldest) ++waiting_.front().passed;
         it = waiting_.erase(it);
+        profile = running_profile();
       } else {
         ++it;
       }
@@ -139,6 +143,11 @@ class admission_scheduler {
     return peak;
   }
 
+  /// Changes the budget later admissions are judged against (running
+  /// requests keep going; lowered below forecast_peak(), the running ones
+  /// may exceed it until they end, and nothing is admitted until then).
+  void set_budget(std::size_t bytes) { opt_.budget_bytes = bytes; }
+
   [[nodiscard]] std::size_t waiting() const { return waiting_.size(); }
   [[nodiscard]] std::size_t running_count() const { return running_.size(); }
   [[nodiscard]] const options& settings() const { return opt_; }
@@ -152,6 +161,38 @@ class admission_scheduler {
     serving_request request;
     std::int64_t tokens = 0;
   };
+
+  struct instant {
+    std::int64_t t = 0;      ///< steps from now
+    std::size_t total = 0;   ///< what the running requests hold then
+  };
+
+  /// The running requests' totals now and at each one's last step.
+  [[nodiscard]] std::vector<instant> running_profile() const {
+    std::vector<instant> p;
+    p.reserve(running_.size() + 1);
+    for (std::size_t k = 0; k <= running_.size(); ++k) {
+      const std::int64_t t = k == running_.size() ? 0 : running_[k].request.final_tokens() - running_[k].tokens;
+      std::size_t total = 0;
+      for (const auto& r : running_)
+        if (r.request.final_tokens() - r.tokens >= t) total += bytes_of_(r.tokens + t);
+      p.push_back({t, total});
+    }
+    return p;
+  }
+
+  /// forecast_peak(&c) from the running profile: c adds its bytes at the
+  /// instants it lives to, and its own last step is one more instant.
+  [[nodiscard]] std::size_t peak_with(const std::vector<instant>& profile, const serving_request& c) const {
+    const std::int64_t life = c.final_tokens() - c.prompt_tokens;
+    std::size_t peak = 0;
+    for (const instant& i : profile)
+      peak = std::max(peak, i.total + (life >= i.t ? bytes_of_(c.prompt_tokens + i.t) : 0));
+    std::size_t last = bytes_of_(c.final_tokens());
+    for (const auto& r : running_)
+      if (r.request.final_tokens() - r.tokens >= life) last += bytes_of_(r.tokens + life);
+    return std::max(peak, last);
+  }
 
   options opt_;
   bytes_function bytes_of_;
