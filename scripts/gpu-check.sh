@@ -8,6 +8,10 @@
 #   HISPARSE_BENCH     regex of benchmark programs to run (default: all; "none": none)
 #   HISPARSE_SANITIZE  regex of test binaries to sanitize (default: all; "none": none)
 #   HISPARSE_DEMO=1    also run the demo (its table goes to stdout)
+#   HISPARSE_PYTHON=1  also pip-install the PyTorch package on this host, check
+#                      that it links the shared libstdc++, run its tests from
+#                      outside the tree (and under memcheck with
+#                      HISPARSE_PYTHON_MEMCHECK=1) and torch_ops_bench.py
 #   HISPARSE_BUILD_COMMIT / HISPARSE_BUILD_DIRTY  the commit the benchmark JSON
 #                      names, where the host's copy of the tree lacks its git
 #                      history (cmake/commit_header.cmake)
@@ -76,6 +80,40 @@ if [[ bench_gating =~ ${HISPARSE_BENCH:-.} ]] && [ -x build/h200/bench/bench_gat
     cat "$scratch/torch_gating.txt"
   else
     summary+=("torch_gating: FAILED")
+  fi
+fi
+
+if [ "${HISPARSE_PYTHON:-0}" = 1 ]; then
+  echo "== $(date +%T) the PyTorch package =="
+  if TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=$(nproc) \
+      python3 -m pip install --no-build-isolation --no-deps . >"$scratch/pip.txt" 2>&1; then
+    so=$(cd /tmp && python3 -c "import hisparse; print(hisparse._library_path)")
+    # An extension with its own C++ runtime crashes on the first exception an op throws (setup.py).
+    if readelf -d "$so" | grep -q 'libstdc++' && ! nm -D --defined-only "$so" | grep -q ' __cxa_throw$'; then
+      summary+=("pip install: built, shared libstdc++")
+    else
+      summary+=("pip install: built, but NOT linked to the shared libstdc++")
+    fi
+    if ! python3 -c "import pytest" 2>/dev/null; then
+      summary+=("pytest python/tests: skipped, no pytest here (put a copy on PYTHONPATH)")
+    else
+      (cd /tmp && python3 -m pytest -q -p no:cacheprovider "$root/python/tests") >"$scratch/pytest.txt" 2>&1
+      summary+=("pytest python/tests: $(grep -E 'passed|failed|Segmentation' "$scratch/pytest.txt" | tail -1)")
+    fi
+    if [ "${HISPARSE_PYTHON_MEMCHECK:-0}" = 1 ] && python3 -c "import pytest" 2>/dev/null; then
+      (cd /tmp && timeout 1200 compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 -m pytest -q -p no:cacheprovider "$root/python/tests/test_cache.py") >"$scratch/pytest-memcheck.txt" 2>&1
+      summary+=("memcheck pytest test_cache.py: $(grep -E 'ERROR SUMMARY' "$scratch/pytest-memcheck.txt" | tail -1)")
+    fi
+    if python3 scripts/torch_ops_bench.py "$out/torch_ops.json" >"$scratch/torch_ops.txt" 2>&1; then
+      summary+=("torch_ops_bench: done")
+      cat "$scratch/torch_ops.txt"
+    else
+      summary+=("torch_ops_bench: FAILED")
+    fi
+  else
+    summary+=("pip install: FAILED")
+    tail -n 20 "$scratch/pip.txt"
   fi
 fi
 
