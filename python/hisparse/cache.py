@@ -73,6 +73,10 @@ class PagedKVCache:
     ``max_prefill_tokens`` > 0 plans ``prefill`` for calls of up to that
     many queries (0: decode only).
 
+    The steps of one cache share its plan's workspace (and the prefill its
+    segment buffer): run them on one stream at a time, as torch's current
+    stream orders them, not concurrently on several.
+
     ``lengths`` is a [max_sequences, num_layers] int32 tensor on the device:
     the tokens each (sequence, layer) holds, written by ``append``.
     """
