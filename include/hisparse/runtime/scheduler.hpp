@@ -13,8 +13,8 @@
 // drop to zero, so the total is largest just before some request ends;
 // checking those instants (and now) is exact. O(n^2) in the running
 // requests, host only. Admission computes the running requests' totals at
-// their instants once and tries each waiting request against them in
-// O(n): the same sums, so the same decisions as forecast_peak.
+// their instants once (running_profile) and tries each waiting request
+// against them in O(n) (peak_with); forecast_peak is the same two steps.
 //
 // Requests larger than the whole budget are rejected at submit, with the
 // reason; every other request is eventually admitted (first come, first
@@ -127,19 +127,10 @@ class admission_scheduler {
   /// The largest total the running requests (and `candidate`, starting
   /// now with its prompt) will hold before they all end.
   [[nodiscard]] std::size_t forecast_peak(const serving_request* candidate = nullptr) const {
-    std::vector<running> all(running_.begin(), running_.end());
-    if (candidate != nullptr) all.push_back({*candidate, candidate->prompt_tokens});
+    const std::vector<instant> profile = running_profile();
+    if (candidate != nullptr) return peak_with(profile, *candidate);
     std::size_t peak = 0;
-    // Now, and the last step of each request (its tokens at its largest).
-    for (std::size_t k = 0; k <= all.size(); ++k) {
-      const std::int64_t t = k == all.size() ? 0 : all[k].request.final_tokens() - all[k].tokens;
-      std::size_t total = 0;
-      for (const auto& r : all) {
-        const std::int64_t left = r.request.final_tokens() - r.tokens;
-        if (left >= t) total += bytes_of_(r.tokens + t);
-      }
-      peak = std::max(peak, total);
-    }
+    for (const instant& i : profile) peak = std::max(peak, i.total);
     return peak;
   }
 
