@@ -4,14 +4,14 @@
 # JSON output, and print a short summary last.
 #   scripts/gpu-check.sh OUT_DIR
 # Environment (all optional, for splitting the work over several short calls):
-#   HISPARSE_TARGETS   targets to build (default: all)
+#   HISPARSE_TARGETS   targets to build (default: all; "none": no build, no ctest)
 #   HISPARSE_BENCH     regex of benchmark programs to run (default: all; "none": none)
 #   HISPARSE_SANITIZE  regex of test binaries to sanitize (default: all; "none": none)
 #   HISPARSE_DEMO=1    also run the demo (its table goes to stdout)
 #   HISPARSE_PYTHON=1  also pip-install the PyTorch package on this host, check
 #                      that it links the shared libstdc++, run its tests from
 #                      outside the tree (and under memcheck with
-#                      HISPARSE_PYTHON_MEMCHECK=1) and torch_ops_bench.py
+#                      HISPARSE_PYTHON_MEMCHECK=1, after torch_ops_bench.py)
 #   HISPARSE_BUILD_COMMIT / HISPARSE_BUILD_DIRTY  the commit the benchmark JSON
 #                      names, where the host's copy of the tree lacks its git
 #                      history (cmake/commit_header.cmake)
@@ -21,22 +21,23 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
 cd "$root"
 summary=()
-echo "== $(date +%T) configure and build =="
-cmake --preset h200 -DHISPARSE_BUILD_TESTS=ON >/dev/null || exit 1
-if [ -n "${HISPARSE_TARGETS:-}" ]; then
-  # shellcheck disable=SC2086
-  cmake --build --preset h200 -j "$(nproc)" --target $HISPARSE_TARGETS || exit 1
-else
-  cmake --build --preset h200 -j "$(nproc)" || exit 1
-fi
-
 # Only JSON, the sanitizer digest and this script's own output go to OUT_DIR
 # (a lent GPU host returns few files); the rest stays in a scratch folder.
 scratch=$(mktemp -d)
-echo "== $(date +%T) built; GPU tests =="
-ctest --preset h200 -j 4 --timeout 240 2>&1 | tee "$scratch/ctest-gpu.log"
+if [ "${HISPARSE_TARGETS:-}" != none ]; then
+  echo "== $(date +%T) configure and build =="
+  cmake --preset h200 -DHISPARSE_BUILD_TESTS=ON >/dev/null || exit 1
+  if [ -n "${HISPARSE_TARGETS:-}" ]; then
+    # shellcheck disable=SC2086
+    cmake --build --preset h200 -j "$(nproc)" --target $HISPARSE_TARGETS || exit 1
+  else
+    cmake --build --preset h200 -j "$(nproc)" || exit 1
+  fi
+  echo "== $(date +%T) built; GPU tests =="
+  ctest --preset h200 -j 4 --timeout 240 2>&1 | tee "$scratch/ctest-gpu.log"
+  summary+=("ctest -L gpu: $(grep -E 'tests passed|tests failed' "$scratch/ctest-gpu.log" | tail -1)")
+fi
 echo "== $(date +%T) benchmarks =="
-summary+=("ctest -L gpu: $(grep -E 'tests passed|tests failed' "$scratch/ctest-gpu.log" | tail -1)")
 
 # HISPARSE_BENCH=regex limits the benchmark programs (default: all of them).
 for exe in build/h200/bench/bench_*; do
@@ -99,17 +100,18 @@ if [ "${HISPARSE_PYTHON:-0}" = 1 ]; then
     else
       (cd /tmp && python3 -m pytest -q -p no:cacheprovider "$root/python/tests") >"$scratch/pytest.txt" 2>&1
       summary+=("pytest python/tests: $(grep -E 'passed|failed|Segmentation' "$scratch/pytest.txt" | tail -1)")
-    fi
-    if [ "${HISPARSE_PYTHON_MEMCHECK:-0}" = 1 ] && python3 -c "import pytest" 2>/dev/null; then
-      (cd /tmp && timeout 1200 compute-sanitizer --tool memcheck --error-exitcode 1 \
-        python3 -m pytest -q -p no:cacheprovider "$root/python/tests/test_cache.py") >"$scratch/pytest-memcheck.txt" 2>&1
-      summary+=("memcheck pytest test_cache.py: $(grep -E 'ERROR SUMMARY' "$scratch/pytest-memcheck.txt" | tail -1)")
+      cp "$scratch/pytest.txt" "$out/pytest.txt"
     fi
     if python3 scripts/torch_ops_bench.py "$out/torch_ops.json" >"$scratch/torch_ops.txt" 2>&1; then
       summary+=("torch_ops_bench: done")
       cat "$scratch/torch_ops.txt"
     else
       summary+=("torch_ops_bench: FAILED")
+    fi
+    if [ "${HISPARSE_PYTHON_MEMCHECK:-0}" = 1 ] && python3 -c "import pytest" 2>/dev/null; then
+      (cd /tmp && timeout "${HISPARSE_PYTHON_MEMCHECK_TIMEOUT:-1200}" compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 -m pytest -q -p no:cacheprovider "$root/python/tests/test_cache.py") >"$scratch/pytest-memcheck.txt" 2>&1
+      summary+=("memcheck pytest test_cache.py: $(grep -E 'ERROR SUMMARY' "$scratch/pytest-memcheck.txt" | tail -1)")
     fi
   else
     summary+=("pip install: FAILED")
