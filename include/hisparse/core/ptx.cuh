@@ -71,6 +71,23 @@ __device__ __forceinline__ float abs_mul_rn(float a, float b) {
   return r;
 }
 
+/// IEEE compares of two floats as 0/1, subnormals kept even where the
+/// translation unit is compiled with -ftz=true (whose setp.*.ftz.f32 flushes
+/// both operands to zero, so a subnormal would equal 0 and its neighbours).
+#define HISPARSE_PTX_FCMP(name, op)                                                               \
+  __device__ __forceinline__ unsigned name(float a, float b) {                                    \
+    unsigned r;                                                                                   \
+    asm("{\n .reg .pred p;\n setp." op ".f32 p, %1, %2;\n selp.u32 %0, 1, 0, p;\n}\n"            \
+        : "=r"(r)                                                                                 \
+        : "f"(a), "f"(b));                                                                        \
+    return r;                                                                                     \
+  }
+HISPARSE_PTX_FCMP(gt_ieee, "gt")
+HISPARSE_PTX_FCMP(ge_ieee, "ge")
+HISPARSE_PTX_FCMP(le_ieee, "le")
+HISPARSE_PTX_FCMP(eq_ieee, "eq")
+#undef HISPARSE_PTX_FCMP
+
 /// Two 32-bit words to a shared-memory address in one store.
 __device__ __forceinline__ void st_shared_v2(unsigned addr, unsigned a, unsigned b) {
   asm("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(addr), "r"(a), "r"(b) : "memory");

@@ -327,8 +327,8 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
     }
     // 2. Count above hi, keep the words inside [lo, hi]. Where the bracket
     // lies within the positive numbers (|a| g with a positive gate), floats
-    // compare for words (word order is float order there, NaN and zeros
-    // below it) and only a kept column's word is made.
+    // compare (IEEE setp, exact under -ftz too) for words (word order is float order there,
+    // NaN and zeros below it) and only a kept column's word is made.
     int mine = 0;
     const bool positive = lo > 0x80000000u && hi < 0xFF800000u;
     const float lo_f = from_ordered_bits(lo), hi_f = from_ordered_bits(hi);
@@ -342,8 +342,8 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
         src.scores(raw, first, sc);
 #pragma unroll
         for (int j = 0; j < kGateVec; ++j) {
-          mine += (valid >> j & 1u) && sc[j] > hi_f ? 1 : 0;
-          in_bits |= (sc[j] >= lo_f && sc[j] <= hi_f ? 1u : 0u) << j;
+          mine += static_cast<int>((valid >> j & 1u) & ptx::gt_ieee(sc[j], hi_f));
+          in_bits |= (ptx::ge_ieee(sc[j], lo_f) & ptx::le_ieee(sc[j], hi_f)) << j;
         }
       } else {
         src.words(raw, first, x);
@@ -393,11 +393,12 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
 
   // 3. Emit in index order: a column's slot is the columns kept before it
   // (those above t, and the first `need` ties at t). Scores compare as
-  // floats, one instruction, not an ordered word's six: for the word t of
-  // a number, word(s) > t is s > t's float and word(s) == t is s == it
-  // (-0 == +0, NaN neither); for t = 0 (NaN's word) a tie is a NaN and
-  // every number is above. A step's kept columns are staged in shared
-  // memory (the candidates are spent) and leave in coalesced runs.
+  // floats, one IEEE setp (ptx::gt_ieee, exact under -ftz too), not an
+  // ordered word's six: for the word t of a number, word(s) > t is s > t's
+  // float and word(s) == t is s == it (-0 == +0, NaN neither); for t = 0
+  // (NaN's word) a tie is a NaN and every number is above. A step's kept
+  // columns are staged in shared memory (the candidates are spent) and
+  // leave in coalesced runs.
   const std::int64_t out_row = static_cast<std::int64_t>(row) * k_max;
   if (k > 0) {
     const bool t_nan = t == 0;
@@ -413,9 +414,9 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
       unsigned above_bits = 0, tie_bits = 0;
 #pragma unroll
       for (int j = 0; j < kGateVec; ++j) {
-        const bool number = sc[j] == sc[j];
-        above_bits |= (t_nan ? number : sc[j] > tf) ? 1u << j : 0u;
-        tie_bits |= (t_nan ? !number : sc[j] == tf) ? 1u << j : 0u;
+        const unsigned number = ptx::eq_ieee(sc[j], sc[j]);
+        above_bits |= (t_nan ? number : ptx::gt_ieee(sc[j], tf)) << j;
+        tie_bits |= (t_nan ? number ^ 1u : ptx::eq_ieee(sc[j], tf)) << j;
       }
       const unsigned valid = src.valid_mask(first);
       above_bits &= valid;
