@@ -45,6 +45,7 @@
 #include <cuda_runtime_api.h>
 
 #include "hisparse/core/dtype.hpp"
+#include "hisparse/core/kernel_build.hpp"
 #include "hisparse/core/ptx.cuh"
 #include "hisparse/core/status.hpp"
 #include "hisparse/select/topk.cuh"
@@ -586,7 +587,7 @@ __global__ void __launch_bounds__(kGemvThreads)
       for (int q = 0; q < kUnroll; ++q) {
         if (u + q >= listed) break;
         const int c = list[u + q];
-        const unsigned rows_kept = kept[c];
+        const unsigned rows_kept = Rows == 1 ? 1u : kept[c];  // one row keeps every listed column: no test
         const W* x = reinterpret_cast<const W*>(&raw[q]);
 #pragma unroll
         for (int r = 0; r < Rows; ++r) {
@@ -599,6 +600,11 @@ __global__ void __launch_bounds__(kGemvThreads)
         }
       }
     }
+  }
+  // The reduce (a programmatic dependent on sm_90) may launch once every
+  // CTA is past its loads; it waits for this grid before reading.
+  ptx::launch_dependents();
+  if (o < outs) {
 #pragma unroll
     for (int r = 0; r < Rows; ++r)
 #pragma unroll
@@ -620,6 +626,7 @@ template <int Outputs, int Groups>
 __global__ void __launch_bounds__(Outputs * Groups)
     gated_gemv_reduce_kernel(const float* __restrict__ partial, int ranges, std::int64_t total, float* __restrict__ y) {
   __shared__ float runs[Groups][Outputs];
+  ptx::wait_for_prior_grid();  // the partials, where launched as the GEMV's programmatic dependent
   const int x = threadIdx.x % Outputs, group = threadIdx.x / Outputs;
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * Outputs + x;
   const int per = (ranges + Groups - 1) / Groups;
@@ -646,6 +653,28 @@ void launch_gated_gemv(dim3 grid, const W* wt, std::int64_t ld_w, int n, int out
 }
 
 inline int gemv_ranges(int n) { return (n + kGemvColumns - 1) / kGemvColumns; }
+
+/// The reduce, as the GEMV's programmatic dependent where the loaded build
+/// honours griddepcontrol.wait (sm_90+, CUDA >= 12.3 for captured graphs):
+/// its launch overlaps the GEMV's tail instead of following it.
+[[nodiscard]] inline status launch_gemv_reduce(const float* partial, int ranges, std::int64_t total, float* y,
+                                               cudaStream_t stream) {
+  constexpr auto kernel = &gated_gemv_reduce_kernel<kReduceOutputs, kReduceGroups>;
+  static hisparse::detail::per_device_flag sm90;
+  const bool overlap = CUDART_VERSION >= 12030 &&
+                       sm90.get([] { return hisparse::detail::kernel_built_for_sm90(reinterpret_cast<const void*>(kernel)); });
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>((total + kReduceOutputs - 1) / kReduceOutputs));
+  config.blockDim = dim3(kReduceOutputs * kReduceGroups);
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = overlap ? &attribute : nullptr;
+  config.numAttrs = overlap ? 1 : 0;
+  HISPARSE_CUDA_TRY(cudaLaunchKernelEx(&config, kernel, partial, ranges, total, y));
+  return status::success;
+}
 
 }  // namespace detail
 
@@ -734,10 +763,7 @@ template <class T, class W>
   }
   HISPARSE_CUDA_TRY(cudaGetLastError());
   const std::int64_t total = static_cast<std::int64_t>(rows) * outs;
-  detail::gated_gemv_reduce_kernel<detail::kReduceOutputs, detail::kReduceGroups><<<static_cast<unsigned>((total + detail::kReduceOutputs - 1) / detail::kReduceOutputs),
-                                     detail::kReduceOutputs * detail::kReduceGroups, 0, stream>>>(partial, ranges, total, y);
-  HISPARSE_CUDA_TRY(cudaGetLastError());
-  return status::success;
+  return detail::launch_gemv_reduce(partial, ranges, total, y, stream);
 }
 
 }  // namespace hisparse::select
