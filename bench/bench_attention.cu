@@ -9,6 +9,8 @@
 // gives the bandwidth ceiling the attention is quoted against.
 // BM_decode_stream: the step on a stream of turning queries with a TopK
 // cache, against the same stream selecting afresh (decode_stream).
+// BM_decode_offload: that stream with half of the cache in pinned host
+// memory (decode_offload).
 //
 // Axes from the command line (bench_main.hpp): --batch, --context,
 // --preset, --head_dim, --dtype; the defaults are the 7B GQA model's
@@ -21,6 +23,7 @@
 #include <cmath>
 #include <memory>
 #include <numbers>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -57,7 +60,7 @@ struct decode_fixture {
   std::unique_ptr<device_array<std::int32_t>> d_slots;
 
   static kv::paged_kv_cache_options options(const SparseAttentionConfig& cfg, int sequences, std::int32_t context,
-                                            int dim, int topk_slices) {
+                                            int dim, int topk_slices, std::size_t host_bytes) {
     kv::paged_kv_cache_options o;
     o.num_kv_heads = kKvHeads;
     o.head_dim = dim;
@@ -67,14 +70,15 @@ struct decode_fixture {
     o.max_context = context;
     o.fine_summary = cfg.fine_summary;
     o.topk_cache_slices = topk_slices;
+    o.max_host_bytes = host_bytes;
     return o;
   }
 
   decode_fixture(const SparseAttentionConfig& cfg, int batch_, std::int32_t context, int dim_, int copies = 1,
-                 int topk_slices = 0)
+                 int topk_slices = 0, std::size_t host_bytes = 0)
       : batch(batch_),
         dim(dim_),
-        cache(device, options(cfg, batch_ * copies, context, dim_, topk_slices)),
+        cache(device, options(cfg, batch_ * copies, context, dim_, topk_slices, host_bytes)),
         queries(static_cast<std::size_t>(batch_) * kQHeads * dim_),
         out(static_cast<std::size_t>(batch_) * kQHeads * dim_),
         lse(static_cast<std::size_t>(batch_) * kQHeads) {
@@ -278,6 +282,22 @@ void decode_step(benchmark::State& state, const SparseAttentionConfig& cfg, int 
 /// (reuse_step_us).
 constexpr int kStreamSteps = 64;
 
+/// The stream's queries, [kStreamSteps][q_elems] (see decode_stream).
+template <class T>
+std::vector<T> turning_queries(std::size_t q_elems) {
+  std::vector<T> q(q_elems * kStreamSteps);
+  workload::splitmix64 rng(11);
+  std::vector<double> a(q_elems), b(q_elems), c(q_elems);
+  for (std::size_t i = 0; i < q_elems; ++i) a[i] = rng.normal(), b[i] = rng.normal(), c[i] = rng.normal();
+  for (int st = 0; st < kStreamSteps; ++st) {
+    const double phi = 2.0 * std::numbers::pi * st / kStreamSteps;
+    for (std::size_t i = 0; i < q_elems; ++i)
+      q[st * q_elems + i] =
+          from_float<T>(static_cast<float>(std::sqrt(3.0) * c[i] + a[i] * std::cos(phi) + b[i] * std::sin(phi)));
+  }
+  return q;
+}
+
 template <class T>
 void decode_stream(benchmark::State& state, const SparseAttentionConfig& base, int batch, std::int32_t context,
                    int dim) {
@@ -288,19 +308,7 @@ void decode_stream(benchmark::State& state, const SparseAttentionConfig& base, i
                                         2.0 * kKvHeads * dim * elem * batch * context);
   decode_fixture<T> fx(base, batch, context, dim, copies, base.top_k_fine);
   const std::size_t q_elems = static_cast<std::size_t>(batch) * kQHeads * dim;
-  std::vector<T> q(q_elems * kStreamSteps);
-  {
-    workload::splitmix64 rng(11);
-    std::vector<double> a(q_elems), b(q_elems), c(q_elems);
-    for (std::size_t i = 0; i < q_elems; ++i) a[i] = rng.normal(), b[i] = rng.normal(), c[i] = rng.normal();
-    for (int st = 0; st < kStreamSteps; ++st) {
-      const double phi = 2.0 * std::numbers::pi * st / kStreamSteps;
-      for (std::size_t i = 0; i < q_elems; ++i)
-        q[st * q_elems + i] = from_float<T>(static_cast<float>(std::sqrt(3.0) * c[i] + a[i] * std::cos(phi) +
-                                                               b[i] * std::sin(phi)));
-    }
-  }
-  const device_array<T> queries(q);
+  const device_array<T> queries(turning_queries<T>(q_elems));
   cudaStream_t stream = nullptr;
   HISPARSE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   bench::event_timer timer;
@@ -391,6 +399,190 @@ void decode_stream(benchmark::State& state, const SparseAttentionConfig& base, i
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
+/// Host offload on the decode stream (fresh selection every step): half of
+/// every sequence's complete slices live in pinned host memory, read by
+/// the step through their mapped addresses (paged_kv_cache::offload_async),
+/// against the same steps all resident, in one run. Two halves, neither
+/// touching the window: `cold`, slices no step of the stream's first half
+/// kept (an offload policy that keeps recently kept slices resident; the
+/// misses are what the second half's drift brings in), and `random`
+/// (about half of every kept set misses). A miss is a kept slice read from
+/// the host; miss_share is misses / kept over every step and copy. Then
+/// `promoted`: from the cold half, the stream one step at a time, each
+/// step's misses fetched back after it (so a slice misses once), against
+/// the same stepwise timing all resident.
+template <class T>
+void decode_offload(benchmark::State& state, const SparseAttentionConfig& cfg, int batch, std::int32_t context,
+                    int dim) {
+  const int elem = static_cast<int>(sizeof(T));
+  const double attended = std::min<double>(context, static_cast<double>(cfg.top_k_fine) * cfg.fine_slice + cfg.window);
+  const double per_copy = 2.0 * kKvHeads * dim * elem * batch * static_cast<double>(context);
+  const int copies = bench::cold_copies(batch * kKvHeads * attended * 2.0 * dim * elem, per_copy);
+  const auto host_bytes = static_cast<std::size_t>(0.5 * per_copy * copies * 1.05) + (std::size_t{256} << 20);
+  decode_fixture<T> fx(cfg, batch, context, dim, copies, 0, host_bytes);
+  const std::size_t q_elems = static_cast<std::size_t>(batch) * kQHeads * dim;
+  const device_array<T> queries(turning_queries<T>(q_elems));
+  cudaStream_t stream = nullptr;
+  HISPARSE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  bench::event_timer timer;
+  auto arguments = [&](int st, int r) {
+    auto a = fx.arguments(r);
+    a.queries = queries.ptr + st * q_elems;
+    return a;
+  };
+  std::size_t bytes = 0;
+  throw_if_error(hierarchical_decode<T>(cfg).workspace_bytes(arguments(0, 0), bytes));
+  std::vector<std::unique_ptr<device_array<char>>> workspaces;
+  for (int r = 0; r < copies; ++r) workspaces.push_back(std::make_unique<device_array<char>>(bytes));
+  const int launches = kStreamSteps * copies;
+  std::vector<std::unique_ptr<hierarchical_decode<T>>> ops;
+  for (int i = 0; i < launches; ++i) {
+    ops.push_back(std::make_unique<hierarchical_decode<T>>(cfg));
+    throw_if_error(ops.back()->plan(arguments(i / copies, i % copies), workspaces[i % copies]->ptr, bytes, stream));
+  }
+  // Each step's kept slices per (sequence, KV head) row, from an eager pass
+  // (a replay keeps the same: the same inputs).
+  const std::size_t rows = static_cast<std::size_t>(batch) * kKvHeads;
+  std::vector<std::vector<std::vector<std::int32_t>>> kept(static_cast<std::size_t>(launches),
+                                                           std::vector<std::vector<std::int32_t>>(rows));
+  {
+    std::vector<std::int32_t> h_kept(rows * cfg.top_k_fine), h_num(rows);
+    for (int i = 0; i < launches; ++i) {
+      throw_if_error(ops[i]->run(stream));
+      HISPARSE_CUDA_CHECK(cudaMemcpyAsync(h_kept.data(), ops[i]->kept_slices(), h_kept.size() * 4,
+                                          cudaMemcpyDeviceToHost, stream));
+      HISPARSE_CUDA_CHECK(cudaMemcpyAsync(h_num.data(), ops[i]->num_slices(), h_num.size() * 4,
+                                          cudaMemcpyDeviceToHost, stream));
+      HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
+      for (std::size_t row = 0; row < rows; ++row)
+        kept[static_cast<std::size_t>(i)][row].assign(h_kept.begin() + row * cfg.top_k_fine,
+                                                      h_kept.begin() + row * cfg.top_k_fine + h_num[row]);
+    }
+  }
+  const replay_graph graph(stream, launches, [&](cudaStream_t s, int i) { throw_if_error(ops[i]->run(s)); });
+  auto time_steps = [&] {
+    std::vector<double> t;
+    for (int i = 0; i < kSideRuns; ++i) t.push_back(graph.step_seconds(timer, stream));
+    return bench::median(t);
+  };
+  // Slices [0, movable) may move: complete, and before the window.
+  const std::int32_t movable = std::max<std::int32_t>(0, (context - cfg.window) / cfg.fine_slice - 1);
+  const std::int32_t half = std::min(movable, context / cfg.fine_slice / 2);
+  auto slot_of = [&](int copy, int b) { return fx.slots[static_cast<std::size_t>(copy * batch + b)]; };
+  // Offloads pick(copy, b) of every sequence; returns the miss share.
+  auto place = [&](auto&& pick) {
+    for (int r = 0; r < copies; ++r)
+      for (int b = 0; b < batch; ++b) throw_if_error(fx.cache.offload_async(slot_of(r, b), 0, pick(r, b), stream));
+    HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    std::int64_t misses = 0, total = 0;
+    for (int i = 0; i < launches; ++i)
+      for (std::size_t row = 0; row < rows; ++row)
+        for (const std::int32_t s : kept[static_cast<std::size_t>(i)][row]) {
+          const int slot = slot_of(i % copies, static_cast<int>(row / kKvHeads));
+          misses += fx.cache.residency(slot, 0, s) == kv::page_residency::host;
+          ++total;
+        }
+    return total > 0 ? static_cast<double>(misses) / static_cast<double>(total) : 0.0;
+  };
+  auto bring_back = [&] {
+    std::vector<std::int32_t> all(static_cast<std::size_t>(movable));
+    std::iota(all.begin(), all.end(), 0);
+    for (const int slot : fx.slots) throw_if_error(fx.cache.fetch_async(slot, 0, all, stream));
+    HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  };
+
+  // The stream one step at a time (a graph of the step's copies, timed
+  // alone); with `promote`, the slices a step read from the host are
+  // fetched after it, off the timed path (a copy stream's work in an
+  // engine), so a slice misses once. Returns the mean step; `miss_share`
+  // gets the misses' share of the kept slices.
+  std::vector<std::unique_ptr<replay_graph>> step_graphs;
+  for (int st = 0; st < kStreamSteps; ++st)
+    step_graphs.push_back(std::make_unique<replay_graph>(
+        stream, copies, [&](cudaStream_t s, int r) { throw_if_error(ops[st * copies + r]->run(s)); }));
+  auto stepwise = [&](bool promote, double& miss_share) {
+    double t = 0;
+    std::int64_t misses = 0, total = 0;
+    for (int st = 0; st < kStreamSteps; ++st) {
+      std::vector<std::vector<std::int32_t>> missed(static_cast<std::size_t>(copies * batch));
+      for (int r = 0; r < copies; ++r)
+        for (std::size_t row = 0; row < rows; ++row) {
+          const int b = static_cast<int>(row / kKvHeads);
+          for (const std::int32_t sl : kept[static_cast<std::size_t>(st * copies + r)][row]) {
+            ++total;
+            if (fx.cache.residency(slot_of(r, b), 0, sl) != kv::page_residency::host) continue;
+            ++misses;
+            missed[static_cast<std::size_t>(r * batch + b)].push_back(sl);
+          }
+        }
+      t += step_graphs[static_cast<std::size_t>(st)]->step_seconds(timer, stream);
+      if (!promote) continue;
+      for (int r = 0; r < copies; ++r)
+        for (int b = 0; b < batch; ++b)
+          throw_if_error(
+              fx.cache.fetch_async(slot_of(r, b), 0, missed[static_cast<std::size_t>(r * batch + b)], stream));
+    }
+    HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    miss_share = total > 0 ? static_cast<double>(misses) / static_cast<double>(total) : 0.0;
+    return t / kStreamSteps;
+  };
+
+  std::vector<double> t_resident;
+  for (auto _ : state) {
+    t_resident.push_back(graph.step_seconds(timer, stream));
+    state.SetIterationTime(t_resident.back() * launches);
+  }
+  const double resident_s = bench::median(t_resident);
+  double no_misses = 0;
+  const double resident_stepwise_s = stepwise(false, no_misses);
+
+  // cold: per sequence, the slices the first half's steps kept stay.
+  const double cold_miss = place([&](int r, int b) {
+    std::vector<bool> hot(static_cast<std::size_t>(movable), false);
+    for (int st = 0; st < kStreamSteps / 2; ++st)
+      for (int h = 0; h < kKvHeads; ++h)
+        for (const std::int32_t s :
+             kept[static_cast<std::size_t>(st * copies + r)][static_cast<std::size_t>(b * kKvHeads + h)])
+          if (s < movable) hot[static_cast<std::size_t>(s)] = true;
+    std::vector<std::int32_t> out;
+    for (std::int32_t s = 0; s < movable && static_cast<std::int32_t>(out.size()) < half; ++s)
+      if (!hot[static_cast<std::size_t>(s)]) out.push_back(s);
+    return out;
+  });
+  const double cold_s = time_steps();
+  double promoted_miss = 0;
+  const double promoted_s = stepwise(true, promoted_miss);
+  const std::int64_t host_after_promotion = fx.cache.host_pages_used();
+  bring_back();
+  workload::splitmix64 rng(5);
+  const double random_miss = place([&](int, int) {
+    std::vector<std::int32_t> all(static_cast<std::size_t>(movable));
+    std::iota(all.begin(), all.end(), 0);
+    for (std::size_t i = all.size(); i > 1; --i)
+      std::swap(all[i - 1], all[static_cast<std::size_t>(rng.below(static_cast<std::int64_t>(i)))]);
+    all.resize(static_cast<std::size_t>(half));
+    return all;
+  });
+  const double random_s = time_steps();
+  bring_back();
+  const double back_s = time_steps();
+  state.counters["step_us"] = resident_s * 1e6;
+  state.counters["cold_half_step_us"] = cold_s * 1e6;
+  state.counters["cold_half_ratio"] = cold_s / resident_s;
+  state.counters["cold_half_miss_share"] = cold_miss;
+  state.counters["random_half_step_us"] = random_s * 1e6;
+  state.counters["random_half_ratio"] = random_s / resident_s;
+  state.counters["random_half_miss_share"] = random_miss;
+  state.counters["fetched_back_step_us"] = back_s * 1e6;
+  state.counters["stepwise_resident_step_us"] = resident_stepwise_s * 1e6;
+  state.counters["promoted_step_us"] = promoted_s * 1e6;
+  state.counters["promoted_ratio"] = promoted_s / resident_stepwise_s;
+  state.counters["promoted_miss_share"] = promoted_miss;
+  state.counters["host_pages_after_promotion"] = static_cast<double>(host_after_promotion);
+  state.counters["copies"] = copies;
+  HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
 /// The composed step with another attention tile policy (rows per stage,
 /// warps, stages): the sweep that picks kDecodeTile (standard preset, bf16,
 /// head_dim 128).
@@ -459,6 +651,15 @@ void register_decode_steps(const bench::sweep& axes) {
             };
             const std::string stream_id = "BM_decode_stream" + id.substr(std::string("BM_decode_step").size());
             benchmark::RegisterBenchmark(stream_id.c_str(), stream)->UseManualTime()->Unit(benchmark::kMicrosecond);
+            auto offload = [=](benchmark::State& state) {
+              if (dtype == "bf16") {
+                decode_offload<__nv_bfloat16>(state, cfg, batch, context, dim);
+              } else {
+                decode_offload<__half>(state, cfg, batch, context, dim);
+              }
+            };
+            const std::string offload_id = "BM_decode_offload" + id.substr(std::string("BM_decode_step").size());
+            benchmark::RegisterBenchmark(offload_id.c_str(), offload)->UseManualTime()->Unit(benchmark::kMicrosecond);
           }
   }
 }

@@ -982,6 +982,162 @@ TEST_CASE("decode step replays from a CUDA graph with new queries and tokens", "
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
+TEST_CASE("offloaded slices: the step reads them from pinned host memory and gives the same bits",
+          "[gpu][attention][offload]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  mr::device_pool_resource device;
+  auto p = test::make_problem<__nv_bfloat16>({32, 8, 128}, SparseAttentionConfig{}, {575, 5000, 33 * 1024 + 17, 100003},
+                                             seed);
+  auto o = test::cache_options(p, 100003 + 1024);  // room for the appends below
+  o.max_host_bytes = std::size_t{1} << 30;
+  o.host_chunk_bytes = std::size_t{16} << 20;
+  kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, o);
+  const auto slots = test::fill(p, cache);
+  const int B = 4;
+  const auto resident = run_step(p, cache, slots);
+  const auto dense = run_dense(p, cache, slots);
+
+  // A graph captured before anything moves: it reads the page table when replayed.
+  cudaStream_t stream = nullptr;
+  HISPARSE_CUDA_CHECK(cudaStreamCreate(&stream));
+  dev<std::int32_t> d_slots(std::vector<std::int32_t>(slots.begin(), slots.end()));
+  dev<__nv_bfloat16> d_q(p.queries), out(B * 32 * 128);
+  dev<float> lse(B * 32);
+  hierarchical_attention<> op;
+  const decode_step_arguments<__nv_bfloat16> a{.queries = d_q.ptr, .slots = d_slots.ptr, .batch = B, .num_q_heads = 32,
+                                                .cache = cache.ref(), .out = out.ptr, .lse = lse.ptr};
+  std::size_t bytes = 0;
+  REQUIRE(op.workspace_bytes(a, bytes) == status::success);
+  dev<char> ws(bytes);
+  REQUIRE(op.plan(a, ws.ptr, bytes, stream) == status::success);
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  HISPARSE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  REQUIRE(op.run(stream) == status::success);
+  HISPARSE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  HISPARSE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+
+  // Offload every kept slice and every third other complete slice.
+  const std::int64_t device_pages = cache.pool().pages_used();
+  std::vector<std::vector<std::int32_t>> moved(B);
+  std::int64_t total = 0;
+  for (int b = 0; b < B; ++b) {
+    const auto complete = static_cast<std::int32_t>(p.lengths[static_cast<std::size_t>(b)] / 64);
+    std::vector<bool> take(static_cast<std::size_t>(complete), false);
+    for (std::int32_t s = 0; s < complete; s += 3) take[static_cast<std::size_t>(s)] = true;
+    for (int h = 0; h < 8; ++h) {
+      const auto at = static_cast<std::size_t>(b * 8 + h);
+      for (int k = 0; k < resident.num[at]; ++k) {
+        const std::int32_t s = resident.kept[at * 16 + static_cast<std::size_t>(k)];
+        if (s < complete) take[static_cast<std::size_t>(s)] = true;
+      }
+    }
+    for (std::int32_t s = 0; s < complete; ++s)
+      if (take[static_cast<std::size_t>(s)]) moved[b].push_back(s);
+    moved[b].push_back(moved[b].front());  // listed twice: moved once
+    REQUIRE(cache.offload_async(slots[b], 0, moved[b], stream) == status::success);
+    moved[b].pop_back();
+    total += static_cast<std::int64_t>(moved[b].size());
+  }
+  REQUIRE(total > 400);
+  REQUIRE(cache.host_pages_used() == total);
+  REQUIRE(cache.pool().pages_used() == device_pages - total);
+  REQUIRE(cache.residency(slots[3], 0, moved[3][1]) == kv::page_residency::host);
+  for (std::int32_t s = 0; s < static_cast<std::int32_t>(p.lengths[3] / 64); ++s) {
+    const bool listed = std::binary_search(moved[3].begin(), moved[3].end(), s);
+    REQUIRE(cache.residency(slots[3], 0, s) == (listed ? kv::page_residency::host : kv::page_residency::device));
+  }
+
+  auto same = [](const step_output& x, const step_output& y) {
+    REQUIRE(x.out == y.out);
+    REQUIRE(std::memcmp(x.lse.data(), y.lse.data(), x.lse.size() * sizeof(float)) == 0);
+  };
+  const auto offloaded = run_step(p, cache, slots);
+  same(offloaded, resident);
+  REQUIRE(offloaded.kept == resident.kept);
+  same(run_dense(p, cache, slots), dense);
+  out.poison(stream);
+  HISPARSE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<double> replayed;
+  for (const auto x : out.download()) replayed.push_back(to_double(x));
+  REQUIRE(replayed == resident.out);
+
+  // Bad requests move nothing: an incomplete slice, one past the end, and a
+  // host tier too small.
+  const auto last = static_cast<std::int32_t>(p.lengths[0] / 64);  // 575 tokens: slice 8 is partial
+  const auto where1 = cache.residency(slots[0], 0, 1), where2 = cache.residency(slots[0], 0, 2);
+  REQUIRE(cache.offload_async(slots[0], 0, std::vector<std::int32_t>{1, 2, last}, stream) == status::invalid_argument);
+  REQUIRE(cache.fetch_async(slots[0], 0, std::vector<std::int32_t>{1, 2, -1}, stream) == status::invalid_argument);
+  REQUIRE(cache.fetch_async(slots[0], 1, std::vector<std::int32_t>{1}, stream) == status::invalid_argument);
+  REQUIRE(cache.residency(slots[0], 0, 1) == where1);
+  REQUIRE(cache.residency(slots[0], 0, 2) == where2);
+  REQUIRE(cache.host_pages_used() == total);
+  {
+    auto small = o;
+    small.max_host_bytes = 3 * cache.pool().page_bytes();
+    small.host_chunk_bytes = cache.pool().page_bytes();
+    kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> tight(device, small);
+    const auto tight_slots = test::fill(p, tight);
+    REQUIRE(tight.offload_async(tight_slots[1], 0, std::vector<std::int32_t>{0, 1, 2, 3}) == status::out_of_memory);
+    REQUIRE(tight.host_pages_used() == 0);
+    REQUIRE(tight.residency(tight_slots[1], 0, 0) == kv::page_residency::device);
+    REQUIRE(tight.offload_async(tight_slots[1], 0, std::vector<std::int32_t>{0, 1, 2}) == status::success);
+    REQUIRE(tight.host_pages_used() == 3);
+    auto none = o;
+    none.max_host_bytes = 0;
+    kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> no_tier(device, none);
+    const auto none_slots = test::fill(p, no_tier);
+    REQUIRE(no_tier.offload_async(none_slots[1], 0, std::vector<std::int32_t>{0}) == status::invalid_argument);
+  }
+
+  // Half of them back: still the same bits; then appends after an offload.
+  for (int b = 0; b < B; ++b) {
+    std::vector<std::int32_t> back;
+    for (std::size_t i = 0; i < moved[b].size(); i += 2) back.push_back(moved[b][i]);
+    REQUIRE(cache.fetch_async(slots[b], 0, back, stream) == status::success);
+    total -= static_cast<std::int64_t>(back.size());
+  }
+  REQUIRE(cache.host_pages_used() == total);
+  same(run_step(p, cache, slots), resident);
+  workload::splitmix64 rng(seed + 7);
+  const std::int32_t extra = 700;  // crosses slice and block ends
+  std::vector<__nv_bfloat16> k(static_cast<std::size_t>(B) * extra * 8 * 128), v(k.size());
+  for (auto& x : k) x = from_float<__nv_bfloat16>(static_cast<float>(rng.normal()));
+  for (auto& x : v) x = from_float<__nv_bfloat16>(static_cast<float>(rng.normal()));
+  std::vector<kv::append_segment> segs;
+  const std::size_t per = static_cast<std::size_t>(extra) * 8 * 128;
+  for (int b = 0; b < B; ++b) {
+    segs.push_back({slots[b], b * extra, extra});
+    p.keys[b].insert(p.keys[b].end(), k.begin() + static_cast<std::ptrdiff_t>(b * per),
+                     k.begin() + static_cast<std::ptrdiff_t>((b + 1) * per));
+    p.values[b].insert(p.values[b].end(), v.begin() + static_cast<std::ptrdiff_t>(b * per),
+                       v.begin() + static_cast<std::ptrdiff_t>((b + 1) * per));
+    p.lengths[static_cast<std::size_t>(b)] += extra;
+  }
+  dev<__nv_bfloat16> dk(k), dv(v);
+  REQUIRE(cache.append_async(0, segs, dk.ptr, dv.ptr, stream) == status::success);
+  HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const auto grown = run_step(p, cache, slots);
+  check_against_fp64(p, grown, false);
+  check_selection_matches_reference(p, grown);
+
+  // Freeing a sequence returns its host pages too.
+  const std::int64_t before = cache.host_pages_used();
+  std::int64_t on_host = 0;
+  for (std::int32_t s = 0; s < static_cast<std::int32_t>(p.lengths[3] / 64); ++s)
+    on_host += cache.residency(slots[3], 0, s) == kv::page_residency::host;
+  REQUIRE(on_host > 0);
+  REQUIRE(cache.free_sequence(slots[3], stream) == status::success);
+  REQUIRE(cache.host_pages_used() == before - on_host);
+  HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  HISPARSE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  HISPARSE_CUDA_CHECK(cudaGraphDestroy(graph));
+  HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
 TEST_CASE("operator adapter: init, forward by preset id, release", "[gpu][attention]") {
   HISPARSE_REQUIRE_GPU();
   const std::uint64_t seed = test::fresh_seed();

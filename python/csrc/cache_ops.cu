@@ -15,6 +15,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <span>
 #include <vector>
 
 #include <hisparse/kv/paged_kv_cache.cuh>
@@ -35,6 +36,7 @@ struct cache_shape {
   fine_summary summary;
   std::int64_t max_prefill_tokens;  ///< queries a prefill call may hold (0: no prefill)
   int max_prefill_tiles;            ///< the query tiles they can span
+  std::int64_t max_host_bytes;      ///< the host tier for offloaded pages (0: none)
 };
 
 /// Where a decode step also writes its selection (all three or none):
@@ -63,6 +65,9 @@ class cache_base {
   virtual ScalarType dtype() const = 0;
   virtual int add_sequence(std::int64_t reserved) = 0;
   virtual void free_sequence(int slot, cudaStream_t stream) = 0;
+  /// offload_async (to_host) or fetch_async of complete slices.
+  virtual void move(int slot, int layer, std::span<const std::int32_t> slices, bool to_host, cudaStream_t stream) = 0;
+  virtual std::int64_t host_pages() const = 0;
   virtual std::int64_t length(int slot, int layer) const = 0;
   virtual void append(int layer, const std::vector<kv::append_segment>& segs, const void* k, const void* v,
                       cudaStream_t stream) = 0;
@@ -104,6 +109,11 @@ class cache_impl final : public cache_base {
     return slot;
   }
   void free_sequence(int slot, cudaStream_t stream) override { throw_if_error(cache_.free_sequence(slot, stream)); }
+  void move(int slot, int layer, std::span<const std::int32_t> slices, bool to_host, cudaStream_t stream) override {
+    throw_if_error(to_host ? cache_.offload_async(slot, layer, slices, stream)
+                           : cache_.fetch_async(slot, layer, slices, stream));
+  }
+  std::int64_t host_pages() const override { return cache_.host_pages_used(); }
   std::int64_t length(int slot, int layer) const override { return cache_.length(slot, layer); }
   void append(int layer, const std::vector<kv::append_segment>& segs, const void* k, const void* v,
               cudaStream_t stream) override {
@@ -192,6 +202,7 @@ class cache_impl final : public cache_base {
     o.max_context = s.max_context;
     o.fine_summary = s.summary;
     o.topk_cache_slices = s.topk_cache_slices;
+    o.max_host_bytes = static_cast<std::size_t>(s.max_host_bytes);
     return o;
   }
 
@@ -508,20 +519,24 @@ __attribute__((visibility("default"))) const char* hisparse_last_error() {
 
 /// dtype: 0 bfloat16, 1 float16. fine_summary: 0 mean, 1 mean_bf16, 2 key_bounds.
 /// max_prefill_tokens: the most queries one prefill call holds (0: decode only).
+/// max_host_bytes: pinned host memory offloaded pages may take (0: none).
 __attribute__((visibility("default"))) std::int64_t hisparse_cache_create(
     int device, int dtype, int layers, int kv_heads, int head_dim, int q_heads, int max_sequences,
     std::int64_t max_context, int fine_slice, int coarse_block, int fine_summary, int topk_cache_slices,
-    std::int64_t max_prefill_tokens) {
+    std::int64_t max_prefill_tokens, std::int64_t max_host_bytes) {
   using namespace hisparse::torch_ops;
   return guarded(
       [&]() -> std::int64_t {
         if (max_prefill_tokens < 0 || max_prefill_tokens > (std::int64_t{1} << 30))
           throw hisparse::error(hisparse::status::invalid_argument, "max_prefill_tokens must be in [0, 2^30]");
+        if (max_host_bytes < 0)
+          throw hisparse::error(hisparse::status::invalid_argument, "max_host_bytes must be >= 0");
         const cache_shape s{device,       layers,           kv_heads,
                             head_dim,     q_heads,          max_sequences,
                             max_context,  fine_slice,       coarse_block,
                             topk_cache_slices, static_cast<hisparse::fine_summary>(fine_summary),
-                            max_prefill_tokens, prefill_tiles_for(max_prefill_tokens, max_sequences)};
+                            max_prefill_tokens, prefill_tiles_for(max_prefill_tokens, max_sequences),
+                            max_host_bytes};
         if (!hisparse::is_valid(s.summary)) throw hisparse::error(hisparse::status::invalid_argument, "unknown fine_summary");
         if (q_heads < 1 || q_heads % kv_heads != 0)
           throw hisparse::error(hisparse::status::invalid_argument, "q_heads must be a positive multiple of kv_heads");
@@ -572,6 +587,32 @@ __attribute__((visibility("default"))) int hisparse_cache_free_sequence(std::int
         return 0;
       },
       -1);
+}
+
+/// Moves n complete slices of (slot, layer) to the host tier (to_host != 0) or
+/// back, stream-ordered on `stream`.
+__attribute__((visibility("default"))) int hisparse_cache_move(std::int64_t handle, int slot, int layer,
+                                                               const std::int32_t* slices, std::int64_t n,
+                                                               int to_host, void* stream) {
+  using namespace hisparse::torch_ops;
+  return guarded(
+      [&] {
+        cache_base& c = find(handle, to_host != 0 ? "offload" : "fetch");
+        if (n < 0 || (n > 0 && slices == nullptr))
+          throw hisparse::error(hisparse::status::invalid_argument, "offload/fetch: bad slice list");
+        on_device(c.shape.device, [&] {
+          c.move(slot, layer, std::span<const std::int32_t>(slices, static_cast<std::size_t>(n)), to_host != 0,
+                 static_cast<cudaStream_t>(stream));
+          return 0;
+        });
+        return 0;
+      },
+      -1);
+}
+
+__attribute__((visibility("default"))) std::int64_t hisparse_cache_host_pages(std::int64_t handle) {
+  using namespace hisparse::torch_ops;
+  return guarded([&] { return find(handle, "host_pages").host_pages(); }, std::int64_t{-1});
 }
 
 /// top_k_fine of a preset the cache serves (the width of its kept slices), else -1.

@@ -32,7 +32,12 @@ _prefill = torch.ops.hisparse.cache_prefill.default
 _c = ctypes.CDLL(_library_path)
 _c.hisparse_last_error.restype = ctypes.c_char_p
 _c.hisparse_cache_create.restype = ctypes.c_int64
-_c.hisparse_cache_create.argtypes = [ctypes.c_int] * 7 + [ctypes.c_int64] + [ctypes.c_int] * 4 + [ctypes.c_int64]
+_c.hisparse_cache_create.argtypes = ([ctypes.c_int] * 7 + [ctypes.c_int64] + [ctypes.c_int] * 4
+                                     + [ctypes.c_int64, ctypes.c_int64])
+_c.hisparse_cache_move.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
+                                   ctypes.c_int, ctypes.c_void_p]
+_c.hisparse_cache_host_pages.restype = ctypes.c_int64
+_c.hisparse_cache_host_pages.argtypes = [ctypes.c_int64]
 _c.hisparse_cache_kept_width.argtypes = [ctypes.c_int64, ctypes.c_char_p]
 _c.hisparse_cache_destroy.argtypes = [ctypes.c_int64]
 _c.hisparse_cache_add_sequence.argtypes = [ctypes.c_int64, ctypes.c_int64]
@@ -84,7 +89,8 @@ class PagedKVCache:
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_q_heads: int,
                  max_sequences: int, max_context: int, dtype: torch.dtype = torch.bfloat16,
                  device=None, fine_slice: int = 64, coarse_block: int = 1024,
-                 fine_summary: str = "mean", topk_cache_slices: int = 0, max_prefill_tokens: int = 0):
+                 fine_summary: str = "mean", topk_cache_slices: int = 0, max_prefill_tokens: int = 0,
+                 max_host_bytes: int = 0):
         if dtype not in _DTYPES:
             raise ValueError(f"hisparse.PagedKVCache: dtype must be bfloat16 or float16, not {dtype}")
         if fine_summary not in _FINE_SUMMARIES:
@@ -101,7 +107,7 @@ class PagedKVCache:
         self._handle = _checked(_c.hisparse_cache_create(
             device.index, _DTYPES[dtype], num_layers, num_kv_heads, head_dim, num_q_heads, max_sequences,
             max_context, fine_slice, coarse_block, _FINE_SUMMARIES[fine_summary], topk_cache_slices,
-            max_prefill_tokens))
+            max_prefill_tokens, max_host_bytes))
         for name in PRESETS:
             width = _c.hisparse_cache_kept_width(self._handle, name.encode())
             if width > 0:
@@ -123,6 +129,27 @@ class PagedKVCache:
         stream = torch.cuda.current_stream(self.device).cuda_stream
         _checked(_c.hisparse_cache_free_sequence(self.handle, slot, ctypes.c_void_p(stream)))
         self.lengths[slot].zero_()
+
+    def offload(self, slot: int, layer: int, slices: Sequence[int]) -> None:
+        """Moves complete slices of (slot, layer) to pinned host memory (the
+        ``max_host_bytes`` tier); steps read them there over PCIe, exactly.
+        Ordered on the current stream, like ``append``."""
+        self._move(slot, layer, slices, True)
+
+    def fetch(self, slot: int, layer: int, slices: Sequence[int]) -> None:
+        """Brings offloaded slices of (slot, layer) back to device pages."""
+        self._move(slot, layer, slices, False)
+
+    @property
+    def host_pages(self) -> int:
+        """Pages the host tier holds now."""
+        return _checked(_c.hisparse_cache_host_pages(self.handle))
+
+    def _move(self, slot: int, layer: int, slices: Sequence[int], to_host: bool) -> None:
+        ids = (ctypes.c_int32 * len(slices))(*[int(s) for s in slices])
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        _checked(_c.hisparse_cache_move(self.handle, slot, layer, ids, len(slices), int(to_host),
+                                        ctypes.c_void_p(stream)))
 
     def length(self, slot: int, layer: int = 0) -> int:
         """Tokens stored for (slot, layer), from the host's bookkeeping (no sync)."""

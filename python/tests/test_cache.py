@@ -18,7 +18,7 @@ ATOL = 1e-5
 
 
 def filled_cache(lengths, *, hq=32, hkv=8, dim=128, dtype=torch.bfloat16, preset="standard", layers=1, seed=0,
-                 max_prefill_tokens=0, room=64):
+                 max_prefill_tokens=0, room=64, max_host_bytes=0):
     """A cache holding random K/V for each length, appended the way an engine
     does: the prompt in two chunks, then single-token decode appends; each
     sequence has `room` tokens reserved past its length."""
@@ -26,7 +26,8 @@ def filled_cache(lengths, *, hq=32, hkv=8, dim=128, dtype=torch.bfloat16, preset
     gen = torch.Generator(device="cuda").manual_seed(seed)
     cache = hisparse.PagedKVCache(num_layers=layers, num_kv_heads=hkv, head_dim=dim, num_q_heads=hq,
                                   max_sequences=len(lengths), max_context=max(lengths) + room, dtype=dtype,
-                                  fine_slice=fine, coarse_block=block, max_prefill_tokens=max_prefill_tokens)
+                                  fine_slice=fine, coarse_block=block, max_prefill_tokens=max_prefill_tokens,
+                                  max_host_bytes=max_host_bytes)
     slots = [cache.add_sequence(n + room) for n in lengths]
     keys = [torch.rand(n, hkv, dim, device="cuda", generator=gen, dtype=torch.float32).sub_(0.5).to(dtype)
             for n in lengths]
@@ -399,3 +400,34 @@ def test_cuda_graph_replays_prefill():
     expected = cache.prefill(q, slots, [5888, 2944], [112, 56])
     torch.cuda.synchronize()
     assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
+
+
+def test_offloaded_slices_give_the_same_bits():
+    lengths = [5000, 40000]
+    cache, slots, keys, values = filled_cache(lengths, seed=41, max_host_bytes=1 << 28)
+    q = torch.randn(2, 32, 128, device="cuda", dtype=torch.bfloat16)
+    s = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    out, lse = cache.decode(q, s)
+    sel = cache.decode_kept(q, s)[2].slices.cpu()
+    for b, n in enumerate(lengths):
+        kept = {int(x) for x in sel[b].flatten() if 0 <= int(x) < n // 64}
+        cache.offload(slots[b], 0, sorted(kept | set(range(0, n // 64, 2))))
+    assert cache.host_pages > 0
+    out2, lse2 = cache.decode(q, s)
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
+    check_against_contract(out2, lse2, keys, values, q, CONFIGS["standard"])
+    with pytest.raises(RuntimeError, match="not complete"):
+        cache.offload(slots[0], 0, [lengths[0] // 64])
+    for b, n in enumerate(lengths):
+        cache.fetch(slots[b], 0, range(n // 64))
+    assert cache.host_pages == 0
+    out3, _ = cache.decode(q, s)
+    assert torch.equal(out3, out)
+    cache.close()
+
+
+def test_offload_needs_a_host_tier():
+    cache, slots, _, _ = filled_cache([3000], seed=42)
+    with pytest.raises(RuntimeError, match="no host tier"):
+        cache.offload(slots[0], 0, [0])
+    cache.close()

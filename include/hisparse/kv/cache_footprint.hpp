@@ -47,6 +47,10 @@ struct paged_kv_cache_options {
   /// entries. One entry per (sequence, layer, KV head), ~0.6 KB at 16 slices
   /// and head_dim 128.
   int topk_cache_slices = 0;
+  /// Pinned host memory complete pages may move to (paged_kv_cache::
+  /// offload_async); 0: no host tier.
+  std::size_t max_host_bytes = 0;
+  std::size_t host_chunk_bytes = std::size_t{64} << 20;  ///< the host tier's pinned allocation unit
 };
 
 namespace detail {

@@ -18,6 +18,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -31,6 +33,7 @@
 #include "hisparse/kv/cache_footprint.hpp"
 #include "hisparse/kv/page_pool.hpp"
 #include "hisparse/kv/paged_kv_ref.hpp"
+#include "hisparse/mr/pinned_host_resource.hpp"
 #include "hisparse/mr/resource.hpp"
 #include "hisparse/tuning.hpp"
 
@@ -79,6 +82,24 @@ struct append_batch {
 };
 
 static_assert(sizeof(append_batch<float>) <= 4000, "append_batch must fit the 4 KB kernel parameter space");
+
+/// Page-table entries set in one launch (offload and fetch move pages):
+/// carried in the parameters, so a move needs no staging buffer.
+inline constexpr int kTablePatch = 128;
+template <class T>
+struct table_patch {
+  T** table;
+  int count;
+  std::int64_t index[kTablePatch];
+  T* page[kTablePatch];
+};
+static_assert(sizeof(table_patch<float>) <= 4000, "table_patch must fit the 4 KB kernel parameter space");
+
+template <class T>
+__global__ void patch_table_kernel(const __grid_constant__ table_patch<T> p) {
+  for (int i = static_cast<int>(threadIdx.x); i < p.count; i += static_cast<int>(blockDim.x))
+    p.table[p.index[i]] = p.page[i];
+}
 
 template <class T>
 __device__ __forceinline__ void accumulate(float* acc, const uint4& v) {
@@ -315,6 +336,12 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_con
 
 }  // namespace detail
 
+/// Where a complete slice's page lives: device memory from the cache's pool,
+/// or pinned host memory (offload_async), which kernels read through its
+/// mapped address over PCIe: a step that keeps an offloaded slice reads the
+/// same bytes, only slower.
+enum class page_residency : std::uint8_t { device, host };
+
 template <class T, mr::resource Resource>
 class paged_kv_cache {
   static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half> || std::is_same_v<T, float>,
@@ -385,6 +412,7 @@ class paged_kv_cache {
         slots_[i].reserved = reserved_length;
         slots_[i].lengths.assign(static_cast<std::size_t>(opt_.num_layers), 0);
         slots_[i].pages.assign(static_cast<std::size_t>(opt_.num_layers), {});
+        slots_[i].host.assign(static_cast<std::size_t>(opt_.num_layers), {});
         slot = static_cast<int>(i);
         return status::success;
       }
@@ -398,8 +426,17 @@ class paged_kv_cache {
     HISPARSE_TRY(check_slot(slot, "free_sequence"));
     HISPARSE_TRY(order_after_last(stream));
     auto& s = slots_[static_cast<std::size_t>(slot)];
+    auto valid = [](const std::vector<page_id>& ids) {
+      std::vector<page_id> v;
+      std::copy_if(ids.begin(), ids.end(), std::back_inserter(v), [](page_id id) { return id != kInvalidPage; });
+      return v;
+    };
     for (auto& layer_pages : s.pages) {
-      HISPARSE_TRY(pool_.deallocate(layer_pages));
+      HISPARSE_TRY(pool_.deallocate(valid(layer_pages)));
+      layer_pages.clear();
+    }
+    for (auto& layer_pages : s.host) {
+      if (host_pool_) HISPARSE_TRY(host_pool_->deallocate(valid(layer_pages)));
       layer_pages.clear();
     }
     HISPARSE_CUDA_TRY(cudaMemsetAsync(lengths_ + std::int64_t{slot} * opt_.num_layers, 0,
@@ -559,6 +596,41 @@ class paged_kv_cache {
     return status::success;
   }
 
+  /// Moves complete slices of (slot, layer) to pinned host memory and frees
+  /// their device pages: the host tier (options.max_host_bytes) holds them,
+  /// and the page table points kernels at their mapped addresses, so steps
+  /// stay exact and pay PCIe reads only for offloaded slices they keep.
+  /// Slices already on the host are skipped; only complete slices move (the
+  /// last, partial one is where appends write). All or nothing on a bad
+  /// slice or a full host tier. Stream-ordered like append_async.
+  [[nodiscard]] status offload_async(int slot, int layer, std::span<const std::int32_t> slices,
+                                     cudaStream_t stream = nullptr) {
+    return move_slices(slot, layer, slices, page_residency::host, stream);
+  }
+
+  /// Brings offloaded slices of (slot, layer) back to device pages (slices
+  /// already on the device are skipped); the reverse of offload_async.
+  [[nodiscard]] status fetch_async(int slot, int layer, std::span<const std::int32_t> slices,
+                                   cudaStream_t stream = nullptr) {
+    return move_slices(slot, layer, slices, page_residency::device, stream);
+  }
+
+  /// Where slice `slice` of (slot, layer) lives; throws invalid_argument for
+  /// a slice the sequence has no page for.
+  [[nodiscard]] page_residency residency(int slot, int layer, std::int32_t slice) const {
+    if (check_slot(slot, "residency") != status::success || layer < 0 || layer >= opt_.num_layers)
+      throw error(status::invalid_argument, "residency: unknown sequence or layer");
+    const auto& s = slots_[static_cast<std::size_t>(slot)];
+    const auto& dev = s.pages[static_cast<std::size_t>(layer)];
+    if (slice < 0 || static_cast<std::size_t>(slice) >= dev.size())
+      throw error(status::invalid_argument, "residency: sequence " + std::to_string(slot) + " layer " +
+                                                std::to_string(layer) + " has no slice " + std::to_string(slice));
+    return dev[static_cast<std::size_t>(slice)] == kInvalidPage ? page_residency::host : page_residency::device;
+  }
+
+  /// Pages the host tier holds now (0 without one).
+  [[nodiscard]] std::int64_t host_pages_used() const noexcept { return host_pool_ ? host_pool_->pages_used() : 0; }
+
   [[nodiscard]] std::int64_t length(int slot, int layer) const {
     if (check_slot(slot, "length") != status::success || layer < 0 || layer >= opt_.num_layers)
       throw error(status::invalid_argument, "length: unknown sequence or layer");
@@ -599,7 +671,8 @@ class paged_kv_cache {
     bool active = false;
     std::int64_t reserved = 0;
     std::vector<std::int64_t> lengths;        // [layer]
-    std::vector<std::vector<page_id>> pages;  // [layer][slice]
+    std::vector<std::vector<page_id>> pages;  // [layer][slice]: device page, kInvalidPage while on the host
+    std::vector<std::vector<page_id>> host;   // [layer][slice]: host page, kInvalidPage (or absent) on the device
   };
 
   static paged_kv_cache_options validated(const paged_kv_cache_options& o) {
@@ -634,6 +707,128 @@ class paged_kv_cache {
   [[nodiscard]] status check_slot(int slot, const char* what) const {
     if (slot < 0 || slot >= opt_.max_sequences || !slots_[static_cast<std::size_t>(slot)].active)
       return fail(status::invalid_argument, std::string(what) + ": unknown sequence id " + std::to_string(slot));
+    return status::success;
+  }
+
+  [[nodiscard]] status move_slices(int slot, int layer, std::span<const std::int32_t> slices, page_residency to,
+                                   cudaStream_t stream) {
+    const bool out = to == page_residency::host;
+    const std::string what = out ? "offload" : "fetch";
+    HISPARSE_TRY(check_slot(slot, what.c_str()));
+    if (layer < 0 || layer >= opt_.num_layers)
+      return fail(status::invalid_argument, what + ": layer " + std::to_string(layer) + " out of range [0, " +
+                                                std::to_string(opt_.num_layers) + ")");
+    auto& s = slots_[static_cast<std::size_t>(slot)];
+    auto& dev = s.pages[static_cast<std::size_t>(layer)];
+    auto& host = s.host[static_cast<std::size_t>(layer)];
+    host.resize(dev.size(), kInvalidPage);
+    const auto complete = static_cast<std::int32_t>(s.lengths[static_cast<std::size_t>(layer)] / opt_.fine_slice);
+    std::vector<std::int32_t> moving;
+    std::vector<bool> taken(dev.size(), false);
+    for (const std::int32_t slice : slices) {
+      if (slice < 0 || slice >= complete)
+        return fail(status::invalid_argument, what + ": slice " + std::to_string(slice) + " of sequence " +
+                                                  std::to_string(slot) + " layer " + std::to_string(layer) +
+                                                  " is not complete (complete slices: [0, " +
+                                                  std::to_string(complete) + "))");
+      const auto i = static_cast<std::size_t>(slice);
+      if ((host[i] != kInvalidPage) == out || taken[i]) continue;  // already there, or listed twice
+      taken[i] = true;
+      moving.push_back(slice);
+    }
+    if (moving.empty()) return status::success;
+    if (out && !host_pool_) HISPARSE_TRY(open_host_tier());
+    HISPARSE_TRY(order_after_last(stream));
+    const std::int64_t table_row = (std::int64_t{slot} * opt_.num_layers + layer) * max_slices_;
+    std::vector<page_id> fresh, old;
+    if (out) {
+      HISPARSE_TRY(transfer(pool_, *host_pool_, dev, moving, table_row, fresh, old, what, stream));
+    } else {
+      HISPARSE_TRY(transfer(*host_pool_, pool_, host, moving, table_row, fresh, old, what, stream));
+    }
+    for (std::size_t i = 0; i < moving.size(); ++i) {
+      const auto k = static_cast<std::size_t>(moving[i]);
+      dev[k] = out ? kInvalidPage : fresh[i];
+      host[k] = out ? fresh[i] : kInvalidPage;
+    }
+    // The old pages go back at once: later work on this stream is ordered
+    // after the copies, and other streams wait for last_launch_.
+    return out ? pool_.deallocate(old) : host_pool_->deallocate(old);
+  }
+
+  /// Copies the pages of `slices` (ids in `from_ids`, returned in `old`)
+  /// from one pool to fresh pages of the other (`fresh`) and points the page
+  /// table at them; the caller frees `old`. On an error `to` gets its pages
+  /// back and the host state still names the old ones.
+  template <class From, class To>
+  [[nodiscard]] status transfer(page_pool<From>& from, page_pool<To>& to, const std::vector<page_id>& from_ids,
+                                const std::vector<std::int32_t>& slices, std::int64_t table_row,
+                                std::vector<page_id>& fresh, std::vector<page_id>& old, const std::string& what,
+                                cudaStream_t stream) {
+    fresh.assign(slices.size(), kInvalidPage);
+    HISPARSE_TRY(to.allocate(fresh));
+    old.assign(slices.size(), kInvalidPage);
+    for (std::size_t i = 0; i < slices.size(); ++i) old[i] = from_ids[static_cast<std::size_t>(slices[i])];
+    status st = status::success;
+    // The copies, merged into runs of consecutive pages within one chunk at
+    // both ends (a copy may not span two allocations, even adjacent ones),
+    // then the table entries.
+    const std::size_t bytes = pool_.page_bytes();
+    const auto from_chunk = from.pages_per_chunk(), to_chunk = to.pages_per_chunk();
+    for (std::size_t i = 0; i < slices.size() && st == status::success;) {
+      std::byte* src = from.address(old[i]);
+      std::byte* dst = to.address(fresh[i]);
+      std::size_t n = 1;
+      while (i + n < slices.size() && old[i + n] == old[i] + static_cast<page_id>(n) &&
+             fresh[i + n] == fresh[i] + static_cast<page_id>(n) && old[i + n] % from_chunk != 0 &&
+             fresh[i + n] % to_chunk != 0)
+        ++n;
+      if (const cudaError_t e = cudaMemcpyAsync(dst, src, n * bytes, cudaMemcpyDefault, stream); e != cudaSuccess)
+        st = fail(status::cuda_error, what + ": page copy failed: " + cudaGetErrorString(e));
+      i += n;
+    }
+    for (std::size_t i = 0; i < slices.size() && st == status::success; i += detail::kTablePatch) {
+      detail::table_patch<T> p{};
+      p.table = page_table_;
+      p.count = static_cast<int>(std::min<std::size_t>(detail::kTablePatch, slices.size() - i));
+      for (int j = 0; j < p.count; ++j) {
+        p.index[j] = table_row + slices[i + static_cast<std::size_t>(j)];
+        p.page[j] = reinterpret_cast<T*>(to.address(fresh[i + static_cast<std::size_t>(j)]));
+      }
+      detail::patch_table_kernel<T><<<1, detail::kTablePatch, 0, stream>>>(p);
+      if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess)
+        st = fail(status::cuda_error, what + ": page table update failed: " + cudaGetErrorString(e));
+    }
+    if (st != status::success) {
+      // A failed copy or launch leaves the CUDA context unusable.
+      (void)to.deallocate(fresh);
+      return st;
+    }
+    HISPARSE_CUDA_TRY(cudaEventRecord(last_launch_, stream));
+    return status::success;
+  }
+
+  /// The host tier: kernels read its pages by their host addresses, which
+  /// unified addressing makes valid on the device for pinned memory.
+  [[nodiscard]] status open_host_tier() {
+    if (opt_.max_host_bytes == 0)
+      return fail(status::invalid_argument,
+                  "offload: the cache has no host tier (set paged_kv_cache_options.max_host_bytes)");
+    int device = 0, unified = 0;
+    HISPARSE_CUDA_TRY(cudaGetDevice(&device));
+    HISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&unified, cudaDevAttrUnifiedAddressing, device));
+    if (unified == 0)
+      return fail(status::unsupported, "offload: the device has no unified addressing, so kernels cannot read "
+                                         "pinned host pages by their addresses");
+    page_pool_options p;
+    p.page_bytes = pool_.page_bytes();
+    p.chunk_bytes = std::max(opt_.host_chunk_bytes, p.page_bytes);
+    p.max_bytes = opt_.max_host_bytes;
+    try {
+      host_pool_.emplace(host_resource_, p);
+    } catch (const error& e) {
+      return fail(e.code(), std::string("offload: ") + e.what());
+    }
     return status::success;
   }
 
@@ -675,6 +870,8 @@ class paged_kv_cache {
   Resource* resource_;
   paged_kv_cache_options opt_;
   page_pool<Resource> pool_;
+  mr::pinned_host_resource host_resource_;
+  std::optional<page_pool<mr::pinned_host_resource>> host_pool_;  ///< opened by the first offload
   cudaStream_t stream_ = nullptr;
   cudaEvent_t last_launch_ = nullptr;
   std::int32_t max_slices_ = 0, max_blocks_ = 0;
