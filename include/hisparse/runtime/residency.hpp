@@ -1,0 +1,140 @@
+#pragma once
+// Which complete slices of a (sequence, layer) stay on the device when part
+// of the cache lives in the host tier (paged_kv_cache::offload_async). A
+// step reads an offloaded slice it keeps over PCIe, exactly but ~100x
+// slower per byte than from HBM, so a step costs what it misses
+// (docs/PERF_NOTES.md, host offload). The policy: after each step the engine
+// reports what it kept (`observe`, from decode_kept), and `plan` answers
+//  * fetch: the slices the last observed step kept from the host, so a
+//    slice a drifting stream starts to keep misses once;
+//  * offload: while more than `device_slices` complete slices are on the
+//    device, the least recently kept ones leave (never kept first, then the
+//    oldest kept; ties to the lower slice), except the window's last
+//    `window_slices` and any kept in the last `keep_steps` steps.
+// Host only, no device work: `apply` hands a plan to the cache, whose moves
+// are stream-ordered. On the B = 8, 256K turning stream, half the slices
+// on the host and each step's misses fetched after it cost 1.11x the
+// resident step (R:2026-12-03-h200-offload-gemv-pip).
+
+#include <algorithm>
+#include <cstdint>
+#include <iterator>
+#include <map>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "hisparse/core/status.hpp"
+
+namespace hisparse {
+
+struct residency_options {
+  std::int32_t device_slices = 0;  ///< complete slices of one (sequence, layer) the device holds at most
+  std::int32_t window_slices = 9;  ///< the last complete slices never offloaded (the decode window's 8 and one)
+  int keep_steps = 1;              ///< slices kept in this many recent steps are never offloaded
+};
+
+/// What `plan` asks the cache to move for one (sequence, layer), in slice order.
+struct residency_moves {
+  std::vector<std::int32_t> fetch;    ///< host -> device
+  std::vector<std::int32_t> offload;  ///< device -> host
+};
+
+class residency_policy {
+ public:
+  explicit residency_policy(residency_options o) : opt_(o) {
+    if (o.device_slices < 0 || o.window_slices < 0 || o.keep_steps < 1)
+      throw error(status::invalid_argument,
+                  "residency_options: device_slices and window_slices must be >= 0, keep_steps >= 1");
+  }
+
+  [[nodiscard]] const residency_options& options() const noexcept { return opt_; }
+
+  /// Step `step` (increasing per (slot, layer)) of (slot, layer) kept
+  /// `kept`: slice ids of any of its KV heads, negatives (unused entries)
+  /// ignored, repeats allowed.
+  [[nodiscard]] status observe(int slot, int layer, std::int64_t step, std::span<const std::int32_t> kept) {
+    auto& e = entries_[{slot, layer}];
+    if (step < e.step)
+      return fail(status::invalid_argument, "residency_policy::observe: step " + std::to_string(step) +
+                                                " is before the last one observed (" + std::to_string(e.step) + ")");
+    e.step = step;
+    e.last.clear();
+    for (const std::int32_t s : kept) {
+      if (s < 0) continue;
+      if (static_cast<std::size_t>(s) >= e.kept_at.size()) e.kept_at.resize(static_cast<std::size_t>(s) + 1, -1);
+      e.kept_at[static_cast<std::size_t>(s)] = step;
+      e.last.push_back(s);
+    }
+    std::sort(e.last.begin(), e.last.end());
+    e.last.erase(std::unique(e.last.begin(), e.last.end()), e.last.end());
+    return status::success;
+  }
+
+  /// The moves for (slot, layer), which holds `complete` complete slices;
+  /// `on_host(slice)` says where a slice lives now (the cache's residency).
+  template <class OnHost>
+  [[nodiscard]] residency_moves plan(int slot, int layer, std::int32_t complete, OnHost&& on_host) const {
+    residency_moves m;
+    const auto it = entries_.find({slot, layer});
+    const entry none{};
+    const entry& e = it == entries_.end() ? none : it->second;
+    for (const std::int32_t s : e.last)
+      if (s < complete && on_host(s)) m.fetch.push_back(s);
+    std::int64_t on_device = static_cast<std::int64_t>(m.fetch.size());
+    std::vector<std::pair<std::int64_t, std::int32_t>> candidates;  // (last kept step, slice)
+    const std::int32_t movable = std::max(0, complete - opt_.window_slices);
+    for (std::int32_t s = 0; s < complete; ++s) {
+      if (on_host(s)) continue;
+      ++on_device;
+      const std::int64_t at = kept_at(e, s);
+      if (s < movable && (at < 0 || at <= e.step - opt_.keep_steps)) candidates.emplace_back(at, s);
+    }
+    const std::int64_t excess = on_device - opt_.device_slices;
+    if (excess > 0) {
+      const auto n =
+          static_cast<std::ptrdiff_t>(std::min<std::int64_t>(excess, static_cast<std::int64_t>(candidates.size())));
+      std::partial_sort(candidates.begin(), candidates.begin() + n, candidates.end());
+      for (std::ptrdiff_t i = 0; i < n; ++i) m.offload.push_back(candidates[static_cast<std::size_t>(i)].second);
+      std::sort(m.offload.begin(), m.offload.end());
+    }
+    return m;
+  }
+
+  /// Forgets a freed sequence's history (every layer).
+  void forget(int slot) {
+    for (auto it = entries_.begin(); it != entries_.end();)
+      it = it->first.first == slot ? entries_.erase(it) : std::next(it);
+  }
+
+ private:
+  struct entry {
+    std::int64_t step = -1;
+    std::vector<std::int64_t> kept_at;  ///< per slice: the last step that kept it, -1 never
+    std::vector<std::int32_t> last;     ///< what the last observed step kept, ascending
+  };
+  static std::int64_t kept_at(const entry& e, std::int32_t s) {
+    return static_cast<std::size_t>(s) < e.kept_at.size() ? e.kept_at[static_cast<std::size_t>(s)] : -1;
+  }
+
+  residency_options opt_;
+  std::map<std::pair<int, int>, entry> entries_;
+};
+
+/// Plans (slot, layer) and applies it to a paged_kv_cache: offloads first
+/// (their pages return to the pool), then fetches, on `stream`.
+template <class Cache, class Stream>
+[[nodiscard]] status rebalance(const residency_policy& policy, Cache& cache, int slot, int layer, Stream stream,
+                               residency_moves* moved = nullptr) {
+  const auto complete = static_cast<std::int32_t>(cache.length(slot, layer) / cache.options().fine_slice);
+  using where = decltype(cache.residency(slot, layer, 0));
+  const residency_moves m =
+      policy.plan(slot, layer, complete, [&](std::int32_t s) { return cache.residency(slot, layer, s) == where::host; });
+  if (!m.offload.empty()) HISPARSE_TRY(cache.offload_async(slot, layer, m.offload, stream));
+  if (!m.fetch.empty()) HISPARSE_TRY(cache.fetch_async(slot, layer, m.fetch, stream));
+  if (moved != nullptr) *moved = m;
+  return status::success;
+}
+
+}  // namespace hisparse
