@@ -32,6 +32,7 @@
 #include "hisparse/kv/paged_kv_cache.cuh"
 #include "hisparse/mr/device_pool_resource.hpp"
 #include "hisparse/runtime/hierarchical_attention.cuh"
+#include "hisparse/runtime/residency.hpp"
 #include "workload/synthetic.hpp"
 
 namespace {
@@ -410,7 +411,8 @@ void decode_stream(benchmark::State& state, const SparseAttentionConfig& base, i
 /// the host; miss_share is misses / kept over every step and copy. Then
 /// `promoted`: from the cold half, the stream one step at a time, each
 /// step's misses fetched back after it (so a slice misses once), against
-/// the same stepwise timing all resident.
+/// the same stepwise timing all resident; and `policy`: residency_policy
+/// at the same half, rebalancing after every step (the host keeps half).
 template <class T>
 void decode_offload(benchmark::State& state, const SparseAttentionConfig& cfg, int batch, std::int32_t context,
                     int dim) {
@@ -500,7 +502,7 @@ void decode_offload(benchmark::State& state, const SparseAttentionConfig& cfg, i
   for (int st = 0; st < kStreamSteps; ++st)
     step_graphs.push_back(std::make_unique<replay_graph>(
         stream, copies, [&](cudaStream_t s, int r) { throw_if_error(ops[st * copies + r]->run(s)); }));
-  auto stepwise = [&](bool promote, double& miss_share) {
+  auto stepwise = [&](auto&& after_step, double& miss_share) {
     double t = 0;
     std::int64_t misses = 0, total = 0;
     for (int st = 0; st < kStreamSteps; ++st) {
@@ -516,11 +518,7 @@ void decode_offload(benchmark::State& state, const SparseAttentionConfig& cfg, i
           }
         }
       t += step_graphs[static_cast<std::size_t>(st)]->step_seconds(timer, stream);
-      if (!promote) continue;
-      for (int r = 0; r < copies; ++r)
-        for (int b = 0; b < batch; ++b)
-          throw_if_error(
-              fx.cache.fetch_async(slot_of(r, b), 0, missed[static_cast<std::size_t>(r * batch + b)], stream));
+      after_step(st, missed);
     }
     HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
     miss_share = total > 0 ? static_cast<double>(misses) / static_cast<double>(total) : 0.0;
@@ -534,7 +532,7 @@ void decode_offload(benchmark::State& state, const SparseAttentionConfig& cfg, i
   }
   const double resident_s = bench::median(t_resident);
   double no_misses = 0;
-  const double resident_stepwise_s = stepwise(false, no_misses);
+  const double resident_stepwise_s = stepwise([](int, const auto&) {}, no_misses);
 
   // cold: per sequence, the slices the first half's steps kept stay.
   const double cold_miss = place([&](int r, int b) {
@@ -551,7 +549,14 @@ void decode_offload(benchmark::State& state, const SparseAttentionConfig& cfg, i
   });
   const double cold_s = time_steps();
   double promoted_miss = 0;
-  const double promoted_s = stepwise(true, promoted_miss);
+  const double promoted_s = stepwise(
+      [&](int, const std::vector<std::vector<std::int32_t>>& missed) {
+        for (int r = 0; r < copies; ++r)
+          for (int b = 0; b < batch; ++b)
+            throw_if_error(
+                fx.cache.fetch_async(slot_of(r, b), 0, missed[static_cast<std::size_t>(r * batch + b)], stream));
+      },
+      promoted_miss);
   const std::int64_t host_after_promotion = fx.cache.host_pages_used();
   bring_back();
   workload::splitmix64 rng(5);
@@ -566,6 +571,35 @@ void decode_offload(benchmark::State& state, const SparseAttentionConfig& cfg, i
   const double random_s = time_steps();
   bring_back();
   const double back_s = time_steps();
+  // policy: residency_policy at the same half, planned first after the
+  // stream's first half, then fed each step's kept slices and rebalanced
+  // after it (misses come back, the least recently kept leave: the host
+  // keeps half throughout).
+  residency_policy policy({half, cfg.window / cfg.fine_slice + 1, 1});
+  auto observe = [&](int st, std::int64_t number) {
+    for (int r = 0; r < copies; ++r)
+      for (int b = 0; b < batch; ++b) {
+        std::vector<std::int32_t> any_head;
+        for (int h = 0; h < kKvHeads; ++h) {
+          const auto& k = kept[static_cast<std::size_t>(st * copies + r)][static_cast<std::size_t>(b * kKvHeads + h)];
+          any_head.insert(any_head.end(), k.begin(), k.end());
+        }
+        throw_if_error(policy.observe(slot_of(r, b), 0, number, any_head));
+      }
+  };
+  for (int st = 0; st < kStreamSteps / 2; ++st) observe(st, st);
+  for (const int slot : fx.slots) throw_if_error(rebalance(policy, fx.cache, slot, 0, stream));
+  HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const std::int64_t host_under_policy = fx.cache.host_pages_used();
+  double policy_miss = 0;
+  const double policy_s = stepwise(
+      [&](int st, const auto&) {
+        observe(st, kStreamSteps / 2 + st);
+        for (const int slot : fx.slots) throw_if_error(rebalance(policy, fx.cache, slot, 0, stream));
+      },
+      policy_miss);
+  const std::int64_t host_after_policy = fx.cache.host_pages_used();
+  bring_back();
   state.counters["step_us"] = resident_s * 1e6;
   state.counters["cold_half_step_us"] = cold_s * 1e6;
   state.counters["cold_half_ratio"] = cold_s / resident_s;
@@ -579,6 +613,11 @@ void decode_offload(benchmark::State& state, const SparseAttentionConfig& cfg, i
   state.counters["promoted_ratio"] = promoted_s / resident_stepwise_s;
   state.counters["promoted_miss_share"] = promoted_miss;
   state.counters["host_pages_after_promotion"] = static_cast<double>(host_after_promotion);
+  state.counters["policy_step_us"] = policy_s * 1e6;
+  state.counters["policy_ratio"] = policy_s / resident_stepwise_s;
+  state.counters["policy_miss_share"] = policy_miss;
+  state.counters["policy_host_pages_first"] = static_cast<double>(host_under_policy);
+  state.counters["policy_host_pages_last"] = static_cast<double>(host_after_policy);
   state.counters["copies"] = copies;
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
