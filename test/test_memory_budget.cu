@@ -37,6 +37,20 @@ TEST_CASE("8 x 256K of the 7B model: pages, metadata and what a 48 GB card holds
   CHECK(static_cast<std::size_t>(b.resident_pages()) * b.footprint.page_bytes <= b.page_budget());
   CHECK(b.pages_off_device() == b.pages - b.resident_pages());
   CHECK(b.host_bytes() == static_cast<std::size_t>(b.pages_off_device()) * b.footprint.page_bytes);
+  // Host offload: the rest is ~193 GB of pinned pages, more than a host of
+  // 128 GiB holds; the device's share per (sequence, layer) is the
+  // residency policy's budget.
+  CHECK(b.host_bytes() > (std::size_t{175} << 30));
+  CHECK(b.host_bytes() < (std::size_t{190} << 30));
+  CHECK_FALSE(b.fits_with_offload());
+  CHECK(b.device_slices_each() == b.resident_pages() / (8 * 28));
+  CHECK(b.device_slices_each() > 700);
+  CHECK(b.device_slices_each() < 4096 / 4);
+  in.host_limit = std::size_t{256} << 30;
+  memory_budget h;
+  REQUIRE(plan_memory(in, h) == status::success);
+  CHECK(h.fits_with_offload());
+  in.host_limit = 0;
   // Even with 1-byte elements (an FP8 cache) the pages are 120 GB: most
   // must live off the device.
   in.elem_bytes = 1;
@@ -45,6 +59,9 @@ TEST_CASE("8 x 256K of the 7B model: pages, metadata and what a 48 GB card holds
   CHECK(f.page_memory == b.page_memory / 2);
   CHECK_FALSE(f.fits());
   CHECK(f.pages_off_device() > f.pages / 2);
+  in.host_limit = std::size_t{100} << 30;  // FP8 with offload: ~80 GB on the host
+  REQUIRE(plan_memory(in, f) == status::success);
+  CHECK(f.fits_with_offload());
 }
 
 TEST_CASE("the memory budget of a small model fits and sums its parts", "[runtime][budget]") {

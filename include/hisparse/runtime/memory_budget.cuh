@@ -5,7 +5,8 @@
 // every request at its context, the cache's metadata, and the decode and
 // prefill workspaces, against a device limit. What does not fit is said in
 // pages: how many would have to live elsewhere (host offload) for the rest
-// to fit.
+// to fit, whether a host tier holds them, and the per-(sequence, layer)
+// device budget of a residency_policy that keeps the rest resident.
 //
 // One cache holds every layer (paged_kv_cache_options::num_layers); the
 // operators run one layer at a time, so one decode and one prefill
@@ -44,6 +45,7 @@ struct memory_budget_inputs {
   std::int32_t prefill_tokens = 16384;  ///< the largest prefill call (its selection lists)
   int num_sms = 132;                    ///< the GPU's (sm_90-class), for the decode attention's plan
   std::size_t device_limit = 0;         ///< bytes the whole must fit
+  std::size_t host_limit = 0;           ///< pinned host bytes offloaded pages may take
 };
 
 struct memory_budget {
@@ -54,6 +56,9 @@ struct memory_budget {
   std::size_t decode_workspace = 0;  ///< hierarchical_decode at the whole batch
   std::size_t prefill_workspace = 0; ///< hierarchical_prefill at prefill_tokens
   std::size_t device_limit = 0;
+  std::size_t host_limit = 0;
+  int sequences = 0;  ///< requests (cache slots)
+  int layers = 0;
 
   [[nodiscard]] std::size_t total() const { return page_memory + metadata + decode_workspace + prefill_workspace; }
   [[nodiscard]] bool fits() const { return total() <= device_limit; }
@@ -71,6 +76,18 @@ struct memory_budget {
   [[nodiscard]] std::int64_t pages_off_device() const { return std::max<std::int64_t>(0, pages - resident_pages()); }
   [[nodiscard]] std::size_t host_bytes() const {
     return static_cast<std::size_t>(pages_off_device()) * footprint.page_bytes;
+  }
+  /// Whether the pages the device cannot hold fit the host tier (host
+  /// offload keeps every step exact: paged_kv_cache::offload_async).
+  [[nodiscard]] bool fits_with_offload() const {
+    return total() - page_memory <= device_limit && host_bytes() <= host_limit;
+  }
+  /// The residency_policy budget (device_slices) that shares the resident
+  /// pages evenly over every (sequence, layer).
+  [[nodiscard]] std::int32_t device_slices_each() const {
+    const std::int64_t rows = std::int64_t{sequences} * layers;
+    return rows > 0 ? static_cast<std::int32_t>(std::min<std::int64_t>(resident_pages() / rows, footprint.max_slices))
+                    : 0;
   }
 };
 
@@ -108,6 +125,9 @@ struct memory_budget {
   b.page_memory = b.footprint.page_memory(b.pages);
   b.metadata = b.footprint.metadata_bytes();
   b.device_limit = in.device_limit;
+  b.host_limit = in.host_limit;
+  b.sequences = static_cast<int>(in.contexts.size());
+  b.layers = m.layers;
 
   // The operators' own sizing, on shape-only arguments (nothing is read):
   // a cache view with this layout and placeholder pointers.
