@@ -15,7 +15,9 @@
 //    (sequence, KV head) at a time. The window starts on a slice boundary, so
 //    it is whole pages too.
 //  * the page table holds page base pointers, [sequence][layer][slice]:
-//    one 8-byte load per slice, no chunk arithmetic in kernels.
+//    one 8-byte load per slice, no chunk arithmetic in kernels. A pointer
+//    may name pinned host memory (paged_kv_cache::offload_async): kernels
+//    read it the same way, over PCIe.
 //  * summaries are fp32 running sums kept beside the pages: per slice
 //    [sequence][layer][slice][kv_head][head_dim] and per coarse block
 //    [sequence][layer][block][kv_head][head_dim]. A block sum is always the
