@@ -148,7 +148,7 @@ TEST_CASE("a drifting stream through rebalance: the budget holds and a slice mis
   REQUIRE(cache.fetch_calls > 0);
 }
 
-TEST_CASE("residency policy: bad options and out-of-order steps are refused; forget drops a sequence",
+TEST_CASE("residency policy: bad options and out-of-order steps are refused, forget drops a sequence",
           "[residency][errors]") {
   REQUIRE_THROWS_AS(residency_policy({-1, 9, 1}), error);
   REQUIRE_THROWS_AS(residency_policy({10, -1, 1}), error);

@@ -656,16 +656,19 @@ inline int gemv_ranges(int n) { return (n + kGemvColumns - 1) / kGemvColumns; }
 
 /// The reduce, as the GEMV's programmatic dependent where the loaded build
 /// honours griddepcontrol.wait (sm_90+, CUDA >= 12.3 for captured graphs):
-/// its launch overlaps the GEMV's tail instead of following it.
-[[nodiscard]] inline status launch_gemv_reduce(const float* partial, int ranges, std::int64_t total, float* y,
-                                               cudaStream_t stream) {
-  constexpr auto kernel = &gated_gemv_reduce_kernel<kReduceOutputs, kReduceGroups>;
+/// its launch overlaps the GEMV's tail instead of following it. (A
+/// template, so that only a translation unit calling it compiles the
+/// kernel.)
+template <int Outputs = kReduceOutputs, int Groups = kReduceGroups>
+[[nodiscard]] status launch_gemv_reduce(const float* partial, int ranges, std::int64_t total, float* y,
+                                        cudaStream_t stream) {
+  constexpr auto kernel = &gated_gemv_reduce_kernel<Outputs, Groups>;
   static hisparse::detail::per_device_flag sm90;
   const bool overlap = CUDART_VERSION >= 12030 &&
                        sm90.get([] { return hisparse::detail::kernel_built_for_sm90(reinterpret_cast<const void*>(kernel)); });
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>((total + kReduceOutputs - 1) / kReduceOutputs));
-  config.blockDim = dim3(kReduceOutputs * kReduceGroups);
+  config.gridDim = dim3(static_cast<unsigned>((total + Outputs - 1) / Outputs));
+  config.blockDim = dim3(Outputs * Groups);
   config.stream = stream;
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
