@@ -11,10 +11,8 @@
 //    device, the least recently kept ones leave (never kept first, then the
 //    oldest kept; ties to the lower slice), except the window's last
 //    `window_slices` and any kept in the last `keep_steps` steps.
-// Host only, no device work: `apply` hands a plan to the cache, whose moves
-// are stream-ordered. On the B = 8, 256K turning stream, half the slices
-// on the host and each step's misses fetched after it cost 1.11x the
-// resident step (R:2026-12-03-h200-offload-gemv-pip).
+// Host only, no device work: `rebalance` hands a plan to the cache, whose
+// moves are stream-ordered.
 
 #include <algorithm>
 #include <cstdint>
