@@ -72,7 +72,7 @@ struct append_desc {
 }  // namespace detail
 
 /// The sizes a cache with given options allocates (element size
-/// `elem_bytes`: 2 for bf16/fp16, 4 for fp32).
+/// `elem_bytes`: 1 for fp8 e4m3, 2 for bf16/fp16, 4 for fp32).
 struct cache_footprint {
   std::int32_t max_slices = 0;  ///< per (sequence, layer)
   std::int32_t max_blocks = 0;
@@ -118,7 +118,9 @@ struct cache_footprint {
   f.num_layers = o.num_layers;
   f.max_slices = static_cast<std::int32_t>((o.max_context + o.fine_slice - 1) / o.fine_slice);
   f.max_blocks = static_cast<std::int32_t>((o.max_context + o.coarse_block - 1) / o.coarse_block);
-  f.page_bytes = align(2 * static_cast<std::size_t>(o.num_kv_heads) * o.fine_slice * o.head_dim * elem_bytes);
+  // One-byte elements are fp8 codes, with one fp32 scale per K and V row (kv/fp8.hpp).
+  const std::size_t rows = 2 * static_cast<std::size_t>(o.num_kv_heads) * o.fine_slice;
+  f.page_bytes = align(rows * o.head_dim * elem_bytes + (elem_bytes == 1 ? rows * sizeof(float) : 0));
   f.pool_chunk_option = std::max(o.chunk_bytes, f.page_bytes);
   f.pages_per_chunk = std::max<std::int64_t>(1, static_cast<std::int64_t>(f.pool_chunk_option / f.page_bytes));
   f.chunk_bytes = static_cast<std::size_t>(f.pages_per_chunk) * f.page_bytes;

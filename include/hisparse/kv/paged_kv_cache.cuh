@@ -31,6 +31,7 @@
 #include "hisparse/core/dtype.hpp"
 #include "hisparse/core/status.hpp"
 #include "hisparse/kv/cache_footprint.hpp"
+#include "hisparse/kv/fp8.hpp"
 #include "hisparse/kv/page_pool.hpp"
 #include "hisparse/kv/paged_kv_ref.hpp"
 #include "hisparse/mr/pinned_host_resource.hpp"
@@ -68,8 +69,8 @@ struct append_batch {
   float* block_bases;  ///< per block: ordered sum of its complete slices' sums
   std::int32_t* lengths;
   unsigned* block_counters;
-  const T* src_k;
-  const T* src_v;
+  const kv_input_t<T>* src_k;  ///< bf16 for fp8 pages (the kernel quantizes)
+  const kv_input_t<T>* src_v;
   const append_desc* segments;  ///< device copy when not inline
   T* const* new_pages;          ///< device copy when not inline
   int num_segments;
@@ -151,6 +152,31 @@ __device__ __forceinline__ void widen_bounds(uint4& lo, uint4& hi, const uint4& 
   std::memcpy(&hi, u, 16);
 }
 
+/// Quantizes 8 bf16 elements of a row to fp8 codes (kv/fp8.hpp): the row's
+/// scale is a max over its `width` threads (aligned groups of lanes, every
+/// lane of the warp calling); writes it to `scale` when not null (the row's
+/// first thread), replaces v by the stored values and returns the codes.
+__device__ __forceinline__ uint2 quantize_fp8_row(uint4& v, int width, float* scale) {
+  __nv_bfloat16 e[8];
+  std::memcpy(e, &v, 16);
+  float m = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) m = fmaxf(m, fp8_finite_magnitude(__bfloat162float(e[i])));
+  for (int off = width / 2; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+  const float s = fp8_row_scale(m);
+  if (scale != nullptr && (threadIdx.x & (width - 1)) == 0) *scale = s;
+  fp8_e4m3 q[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    q[i] = fp8_encode(__bfloat162float(e[i]), s);
+    e[i] = __float2bfloat16_rn(fp8_decode(q[i], s));
+  }
+  std::memcpy(&v, e, 16);
+  uint2 codes;
+  std::memcpy(&codes, q, 8);
+  return codes;
+}
+
 /// Grid: x = every slice touched by the batch, y = KV head. Each CTA copies
 /// its slice's new K and V rows for one head into the page (16-byte vectors),
 /// sums the new keys in fp32 into the slice sum (and, when kept, widens the
@@ -158,7 +184,9 @@ __device__ __forceinline__ void widen_bounds(uint4& lo, uint4& hi, const uint4& 
 /// recomputes the block sum from its slices' sums.
 template <class T>
 __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_constant__ append_batch<T> b) {
-  constexpr int kPer = 16 / sizeof(T);  // elements per 16-byte vector
+  using In = kv_input_t<T>;              // the input (and, for fp8 pages, the dequantized) element
+  constexpr bool kFp8 = is_fp8_v<T>;
+  constexpr int kPer = 16 / sizeof(In);  // input elements per 16-byte vector
   // [rows_per_pass][head_dim] fp32 partial sums, then, with key bounds, the
   // row groups' minima and maxima as T, [rows_per_pass][head_dim] each.
   extern __shared__ __align__(16) float partial[];
@@ -193,8 +221,13 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_con
   T* v_dst = page + (std::int64_t{b.kv_heads} + h) * tile + std::int64_t{t0 - slice_begin} * D;
   const std::int64_t row_stride = std::int64_t{b.kv_heads} * D;
   const std::int64_t src0 = (std::int64_t{s.src_row} + (t0 - s.start)) * row_stride + std::int64_t{h} * D;
-  const T* k_src = b.src_k + src0;
-  const T* v_src = b.src_v + src0;
+  const In* k_src = b.src_k + src0;
+  const In* v_src = b.src_v + src0;
+  // FP8 pages: the rows' scales after the codes (kv/fp8.hpp).
+  float* const k_scale = kFp8 ? reinterpret_cast<float*>(page + 2 * std::int64_t{b.kv_heads} * tile) +
+                                    std::int64_t{h} * F + (t0 - slice_begin)
+                              : nullptr;
+  float* const v_scale = kFp8 ? k_scale + std::int64_t{b.kv_heads} * F : nullptr;
 
   // Summary state this CTA will need, fetched before the copy so its latency
   // hides behind the copy. A block's sum is always the ordered sum of its
@@ -236,16 +269,18 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_con
   const int c = threadIdx.x % vecs_per_row, r = threadIdx.x / vecs_per_row;
   const int rows = t1 - t0;
   float acc[kPer] = {};
-  uint4 key_lo = splat(from_float<T>(INFINITY)), key_hi = splat(from_float<T>(-INFINITY));
+  uint4 key_lo = splat(from_float<In>(INFINITY)), key_hi = splat(from_float<In>(-INFINITY));
   // All loads of a group before any store: the compiler cannot reorder loads
   // across stores it cannot prove disjoint, and bytes in flight are what
-  // bound a copy.
+  // bound a copy. The trip count is uniform across the CTA (an fp8 row's
+  // scale is a shuffle over the row's threads).
   constexpr int kUnroll = 4;
-  for (int base_row = r; base_row < rows; base_row += rows_per_pass * kUnroll) {
+  for (int base = 0; base < rows; base += rows_per_pass * kUnroll) {
     uint4 kv[kUnroll], vv[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int row = base_row + u * rows_per_pass;
+      const int row = base + r + u * rows_per_pass;
+      kv[u] = vv[u] = make_uint4(0u, 0u, 0u, 0u);
       if (row < rows) {
         kv[u] = __ldcs(reinterpret_cast<const uint4*>(k_src + row * row_stride + c * kPer));
         vv[u] = __ldcs(reinterpret_cast<const uint4*>(v_src + row * row_stride + c * kPer));
@@ -253,12 +288,23 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_con
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int row = base_row + u * rows_per_pass;
-      if (row < rows) {
+      const int row = base + r + u * rows_per_pass;
+      if constexpr (kFp8) {
+        // Codes and scale of the row, and the stored (dequantized) keys the
+        // summaries take, as In (exact: kv/fp8.hpp).
+        const uint2 kq = quantize_fp8_row(kv[u], vecs_per_row, row < rows ? k_scale + row : nullptr);
+        const uint2 vq = quantize_fp8_row(vv[u], vecs_per_row, row < rows ? v_scale + row : nullptr);
+        if (row < rows) {
+          *reinterpret_cast<uint2*>(k_dst + std::int64_t{row} * D + c * kPer) = kq;
+          *reinterpret_cast<uint2*>(v_dst + std::int64_t{row} * D + c * kPer) = vq;
+        }
+      } else if (row < rows) {
         *reinterpret_cast<uint4*>(k_dst + std::int64_t{row} * D + c * kPer) = kv[u];
         *reinterpret_cast<uint4*>(v_dst + std::int64_t{row} * D + c * kPer) = vv[u];
-        if (b.summaries) accumulate<T>(acc, kv[u]);
-        if (bounds) widen_bounds<T>(key_lo, key_hi, kv[u]);
+      }
+      if (row < rows) {
+        if (b.summaries) accumulate<In>(acc, kv[u]);
+        if (bounds) widen_bounds<In>(key_lo, key_hi, kv[u]);
       }
     }
   }
@@ -268,8 +314,8 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_con
 
 #pragma unroll
   for (int i = 0; i < kPer; ++i) partial[r * D + c * kPer + i] = acc[i];
-  T* const lo_part = reinterpret_cast<T*>(partial + rows_per_pass * D);
-  T* const hi_part = lo_part + rows_per_pass * D;
+  In* const lo_part = reinterpret_cast<In*>(partial + rows_per_pass * D);
+  In* const hi_part = lo_part + rows_per_pass * D;
   if (bounds) {
     *reinterpret_cast<uint4*>(lo_part + r * D + c * kPer) = key_lo;
     *reinterpret_cast<uint4*>(hi_part + r * D + c * kPer) = key_hi;
@@ -344,12 +390,15 @@ enum class page_residency : std::uint8_t { device, host };
 
 template <class T, mr::resource Resource>
 class paged_kv_cache {
-  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half> || std::is_same_v<T, float>,
-                "paged_kv_cache stores bf16, fp16 or fp32");
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half> || std::is_same_v<T, float> ||
+                    is_fp8_v<T>,
+                "paged_kv_cache stores bf16, fp16, fp32 or fp8 e4m3 (kv/fp8.hpp)");
   static_assert(Resource::device_accessible, "paged_kv_cache needs device-accessible memory");
 
  public:
   using value_type = T;
+  /// What appends take: T, or bf16 for fp8 pages (quantized by the append).
+  using input_type = kv_input_t<T>;
 
   paged_kv_cache(Resource& resource, const paged_kv_cache_options& o, cudaStream_t stream = nullptr)
       : resource_(&resource), opt_(validated(o)), pool_(resource, pool_options(opt_)), stream_(stream) {
@@ -455,7 +504,7 @@ class paged_kv_cache {
 
   /// Appends one token to each sequence in `slots` for `layer`; k and v are
   /// device arrays [slots.size()][kv_heads][head_dim], 16-byte aligned.
-  [[nodiscard]] status append_decode_async(int layer, std::span<const int> slots, const T* k, const T* v,
+  [[nodiscard]] status append_decode_async(int layer, std::span<const int> slots, const input_type* k, const input_type* v,
                                            cudaStream_t stream) {
     std::vector<append_segment> segs(slots.size());
     for (std::size_t i = 0; i < slots.size(); ++i) segs[i] = {slots[i], static_cast<std::int32_t>(i), 1};
@@ -465,19 +514,19 @@ class paged_kv_cache {
   /// Type-checked entry for engines that hold untyped buffers.
   [[nodiscard]] status append_async(int layer, std::span<const append_segment> segments, const void* k,
                                     const void* v, dtype kv_dtype, cudaStream_t stream) {
-    if (kv_dtype != dtype_of_v<T>)
+    if (kv_dtype != dtype_of_v<input_type>)
       return fail(status::invalid_argument, std::string("append: K/V dtype ") + std::string(name_of(kv_dtype)) +
-                                                " does not match the cache's " +
-                                                std::string(name_of(dtype_of_v<T>)));
-    return append_async(layer, segments, static_cast<const T*>(k), static_cast<const T*>(v), stream);
+                                                " does not match the cache's input " +
+                                                std::string(name_of(dtype_of_v<input_type>)));
+    return append_async(layer, segments, static_cast<const input_type*>(k), static_cast<const input_type*>(v), stream);
   }
 
   /// Appends ragged chunks (prefill, or decode) for `layer`: each segment's
   /// rows of the packed k/v ([rows][kv_heads][head_dim], device, 16-byte
   /// aligned) go to the end of its sequence. All or nothing: on any error
   /// nothing is appended and no page is taken.
-  [[nodiscard]] status append_async(int layer, std::span<const append_segment> segments, const T* k, const T* v,
-                                    cudaStream_t stream = nullptr) {
+  [[nodiscard]] status append_async(int layer, std::span<const append_segment> segments, const input_type* k,
+                                    const input_type* v, cudaStream_t stream = nullptr) {
     if (layer < 0 || layer >= opt_.num_layers)
       return fail(status::invalid_argument, "append: layer " + std::to_string(layer) + " out of range [0, " +
                                                 std::to_string(opt_.num_layers) + ")");
@@ -568,9 +617,9 @@ class paged_kv_cache {
     }
     batch.new_pages = dev_pages;
     if (st == status::success) {
-      const int rows_per_pass = detail::kAppendThreads / (opt_.head_dim * static_cast<int>(sizeof(T)) / 16);
+      const int rows_per_pass = detail::kAppendThreads / (opt_.head_dim * static_cast<int>(sizeof(input_type)) / 16);
       const std::size_t smem = static_cast<std::size_t>(rows_per_pass) * opt_.head_dim *
-                               (sizeof(float) + (slice_bounds_ != nullptr ? 2 * sizeof(T) : 0));
+                               (sizeof(float) + (slice_bounds_ != nullptr ? 2 * sizeof(input_type) : 0));
       detail::append_kernel<T><<<dim3(static_cast<unsigned>(slices), static_cast<unsigned>(opt_.num_kv_heads)),
                                  detail::kAppendThreads, smem, stream>>>(batch);
       if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess)

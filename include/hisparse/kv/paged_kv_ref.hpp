@@ -13,7 +13,8 @@
 //    F = 64, D = 128): every warp load is 512 contiguous bytes of 16-byte
 //    vectors, the best case for the attention kernel, which works on one
 //    (sequence, KV head) at a time. The window starts on a slice boundary, so
-//    it is whole pages too.
+//    it is whole pages too. FP8 pages (kv/fp8.hpp) add one fp32 scale per
+//    K and V row after the codes.
 //  * the page table holds page base pointers, [sequence][layer][slice]:
 //    one 8-byte load per slice, no chunk arithmetic in kernels. A pointer
 //    may name pinned host memory (paged_kv_cache::offload_async): kernels
@@ -169,6 +170,14 @@ struct paged_kv_ref : summary_ref {
   }
   HISPARSE_HOST_DEVICE const T* value_tile(int seq, int layer, std::int64_t slice, int h) const {
     return key_tile(seq, layer, slice, h) + value_offset();
+  }
+  /// FP8 pages (kv/fp8.hpp) end in one fp32 scale per row: [K|V][kv_head]
+  /// [token], past the codes. Offset (floats from the page's scale area) of
+  /// KV head h's value scales from its key scales.
+  HISPARSE_HOST_DEVICE constexpr std::int64_t value_scale_offset() const { return std::int64_t{kv_heads} * fine_slice; }
+  /// The F key scales of `slice` for KV head h (fp8 pages only).
+  HISPARSE_HOST_DEVICE const float* key_scales(const T* page, int h) const {
+    return reinterpret_cast<const float*>(page + page_elems()) + std::int64_t{h} * fine_slice;
   }
   [[nodiscard]] HISPARSE_HOST_DEVICE const summary_ref& summaries() const { return *this; }
 };
