@@ -48,6 +48,7 @@
 #include "hisparse/core/kernel_build.hpp"
 #include "hisparse/core/ptx.cuh"
 #include "hisparse/core/status.hpp"
+#include "hisparse/kv/fp8.hpp"
 #include "hisparse/kv/paged_kv_ref.hpp"
 #include "hisparse/policy/tile_policy.hpp"
 #include "hisparse/tuning.hpp"
@@ -61,15 +62,16 @@ inline constexpr tile_policy kDecodeTile = tuning::kDecodeTile;  ///< the defaul
 /// of `window` tokens the contract places at the end (DESIGN.md section 1:
 /// from ws = floor((length - window) / F) * F, at least 0); dense otherwise.
 /// A plan does not read kept_slices and num_slices: they may be null until
-/// launch (the selection's buffers may not exist yet).
-template <class T>
+/// launch (the selection's buffers may not exist yet). KV: the cache's
+/// element type, T or fp8 e4m3 (with bf16 queries; kv/fp8.hpp).
+template <class T, class KV = T>
 struct decode_attention_arguments {
   const T* queries = nullptr;           ///< [batch][num_q_heads][head_dim]
   const std::int32_t* slots = nullptr;  ///< [batch], device: cache slot of each row
   int batch = 0;
   int layer = 0;
   int num_q_heads = 0;
-  kv::paged_kv_ref<T> cache{};
+  kv::paged_kv_ref<KV> cache{};
   const std::int32_t* kept_slices = nullptr;  ///< [batch][kv_heads][top_k_fine], ascending, -1 padded
   const std::int32_t* num_slices = nullptr;   ///< [batch][kv_heads]
   int top_k_fine = 0;                         ///< > 0: sparse
@@ -153,9 +155,19 @@ HISPARSE_HOST_DEVICE constexpr int register_ctas_per_sm(int head_dim, int warps)
   const int warps_per_sm = tuning::attention_warps_per_sm(head_dim);
   return warps_per_sm / warps > 0 ? warps_per_sm / warps : 1;
 }
-/// Bytes of one ring stage: a tile of K and one of V.
+/// Bytes of one ring stage: a tile of K and one of V; for fp8 pages
+/// (one-byte elements) also their rows' scales.
 HISPARSE_HOST_DEVICE constexpr int stage_bytes(int rows, int head_dim, int elem_bytes) {
-  return 2 * rows * head_dim * elem_bytes;
+  return 2 * rows * head_dim * elem_bytes + (elem_bytes == 1 ? 2 * rows * 4 : 0);
+}
+/// FP8 pages: the warps widen their rows of a stage into a bf16/fp16 stage
+/// after the ring (the tensor cores' operands); none otherwise.
+HISPARSE_HOST_DEVICE constexpr int staging_bytes(int rows, int head_dim, int kv_bytes, int q_bytes) {
+  return kv_bytes == 1 ? 2 * rows * head_dim * q_bytes : 0;
+}
+/// Shared memory of the tiles: the ring and the staging stage.
+HISPARSE_HOST_DEVICE constexpr int tile_smem_bytes(int stages, int rows, int head_dim, int kv_bytes, int q_bytes) {
+  return stages * stage_bytes(rows, head_dim, kv_bytes) + staging_bytes(rows, head_dim, kv_bytes, q_bytes);
 }
 /// Bytes the merge of the warps needs (it reuses the ring): per warp and
 /// head the running max and sum, and the output row (padded by 8 floats).
@@ -173,9 +185,10 @@ HISPARSE_HOST_DEVICE constexpr int cluster_merge_end(int warps, int heads, int s
   return cluster_merge_offset(warps, head_dim) + heads * splits * (head_dim + 1) * 4;
 }
 
-template <class T>
+template <class T, class KV = T>
 struct decode_attention_params {
-  decode_attention_arguments<T> a;
+  using kv_type = KV;
+  decode_attention_arguments<T, KV> a;
   int group, head_splits, splits, stages;
   int merge_offset;  ///< > 0: the splits are a cluster; CTA 0's partials at this dynamic shared-memory byte
   float scale_log2;  ///< softmax scale * log2(e)
@@ -205,8 +218,8 @@ using ptx::pack2_residual;
 /// Writes `value` to every output element of the CTA's `heads` heads from
 /// row `q_row0` on, and `lse` to their LSEs (the early exits: nothing
 /// stored, or a selection the plan cannot hold).
-template <class T, int D, int Threads>
-__device__ __forceinline__ void fill_output(const decode_attention_arguments<T>& a, std::int64_t q_row0, int heads,
+template <class T, int D, int Threads, class A>
+__device__ __forceinline__ void fill_output(const A& a, std::int64_t q_row0, int heads,
                                             float value, float lse) {
   for (int i = threadIdx.x; i < heads * D; i += Threads) {
     a.out[(q_row0 + i / D) * D + i % D] = from_float<T>(value);
@@ -222,8 +235,8 @@ __device__ __forceinline__ void fill_output(const decode_attention_arguments<T>&
 /// v_half and swz: the lane's ldmatrix addresses (the kernel's comment).
 /// The scale is read from `p` here, beside its use: the compiler then orders
 /// the products as the single-function kernel did.
-template <class T, int D, int TileRows>
-__device__ __forceinline__ void attend_tile(const decode_attention_params<T>& p, unsigned base, unsigned k_lane,
+template <class T, int D, int TileRows, class P>
+__device__ __forceinline__ void attend_tile(const P& p, unsigned base, unsigned k_lane,
                                             unsigned v_lane, int k_half, int v_half, int swz,
                                             const uint2 (&q_frag)[D / 16][32], int lane, int t, int wt, int w_rows,
                                             int kept_rows, int wrow, int qc, float& m, float& l,
@@ -296,8 +309,8 @@ __device__ __forceinline__ void attend_tile(const decode_attention_params<T>& p,
 /// it is the only CTA with items (`active` == 1), else CTA 0's ring past its
 /// warp-merge area (`clustered`: [heads][splits][D] outputs, then
 /// [heads][splits] LSEs) or the workspace. S: the splits.
-template <class T, int D, int Warps>
-__device__ __forceinline__ void merge_warps(const decode_attention_params<T>& p, unsigned char* ring, int split, int S,
+template <class T, int D, int Warps, class P>
+__device__ __forceinline__ void merge_warps(const P& p, unsigned char* ring, int split, int S,
                                             int active, int heads, std::int64_t q_row0, bool clustered, float m,
                                             float l, const float (&o)[D / 8][2]) {
   constexpr int kThreads = Warps * 32;
@@ -363,8 +376,8 @@ __device__ __forceinline__ void merge_warps(const decode_attention_params<T>& p,
 /// partials, count arrivals, and the last one stages every run and resets
 /// the counter for the next run. merge_w, merge_lse and last_cta: the
 /// kernel's shared scratch; b: the batch row; stages: the ring's depth.
-template <class T, int D, int Warps>
-__device__ __forceinline__ void merge_splits(const decode_attention_params<T>& p, unsigned char* ring,
+template <class T, int D, int Warps, class P>
+__device__ __forceinline__ void merge_splits(const P& p, unsigned char* ring,
                                              unsigned ring_base, float (&merge_w)[kMaxHeadsPerCta][kMaxSplits],
                                              float (&merge_lse)[kMaxHeadsPerCta], bool& last_cta, int b, int split,
                                              int S, int stages, int active, int heads, std::int64_t q_row0,
@@ -411,7 +424,7 @@ __device__ __forceinline__ void merge_splits(const decode_attention_params<T>& p
     // splits at a time (all of them at B >= 8), beside the weights' loads:
     // one trip to L2 for everything, with nothing held in registers. A
     // head's partials are contiguous: [splits][D].
-    per_round = stages * 2 * kTileBytes / (heads * D * 4);
+    per_round = tile_smem_bytes(stages, Warps * kWarpRows, D, sizeof(typename P::kv_type), sizeof(T)) / (heads * D * 4);
     staged = reinterpret_cast<const float*>(ring);
     stage_round(0);
     for (int i = threadIdx.x; i < heads * active; i += kThreads)
@@ -473,29 +486,71 @@ __device__ __forceinline__ void merge_splits(const decode_attention_params<T>& p
   if (counter != nullptr && threadIdx.x == 0) *counter = 0;
 }
 
+/// FP8 pages: widens this warp's 16 rows of the ring stage at `stage` (K
+/// and V codes, then their rows' scales) into the operand stage `op`, as T
+/// in the XOR-swizzled layout attend_tile reads, each row times its scale
+/// (exact: kv/fp8.hpp). Only the warp's own rows: no CTA barrier.
+template <class T, int D, int TileRows>
+__device__ __forceinline__ void widen_fp8_rows(const unsigned char* stage, unsigned char* op, int wrow, int lane) {
+  constexpr int kChunks = D / 16;  // 16 codes a chunk
+  constexpr int kPerLane = kWarpRows * kChunks / 32;
+  constexpr int kOpRowBytes = D * static_cast<int>(sizeof(T));
+  const auto* scales = reinterpret_cast<const float*>(stage + 2 * TileRows * D);
+  __syncwarp();  // the warp's reads of its previous rows are done
+#pragma unroll
+  for (int kv = 0; kv < 2; ++kv)
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int i = lane + 32 * j, r = wrow + i / kChunks, c = i % kChunks;
+      const uint4 codes = *reinterpret_cast<const uint4*>(stage + (kv * TileRows + r) * D + c * 16);
+      const float sc = scales[kv * TileRows + r];
+      __nv_fp8x2_storage_t pairs[8];
+      std::memcpy(pairs, &codes, 16);
+      unsigned w[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pairs[e], __NV_E4M3)));
+        w[e] = pack2<T>(f.x * sc, f.y * sc);
+      }
+      unsigned char* row = op + kv * TileRows * kOpRowBytes + r * kOpRowBytes;
+      *reinterpret_cast<uint4*>(row + (((2 * c) ^ (r & 7)) << 4)) = make_uint4(w[0], w[1], w[2], w[3]);
+      *reinterpret_cast<uint4*>(row + (((2 * c + 1) ^ (r & 7)) << 4)) = make_uint4(w[4], w[5], w[6], w[7]);
+    }
+  __syncwarp();
+}
+
 /// Grid: x = split, y = KV head * head_splits + head split, z = batch row.
 /// Dynamic shared memory: the ring, `stages` x (K tile | V tile), each tile
 /// kTileRows x D elements, 16-byte chunk c of row r stored at c ^ (r & 7).
-template <class T, int D, int Warps, int MaxStages>
+/// FP8 pages: a stage's tiles hold codes (unswizzled; the warps read them
+/// row by row) and then the rows' K and V scales, and one operand stage of
+/// T follows the ring (widen_fp8_rows).
+template <class T, class KV, int D, int Warps, int MaxStages>
 __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
-    decode_attention_kernel(const __grid_constant__ decode_attention_params<T> p) {
+    decode_attention_kernel(const __grid_constant__ decode_attention_params<T, KV> p) {
+  constexpr bool kFp8 = kv::is_fp8_v<KV>;
   constexpr int kThreads = Warps * 32;
   constexpr int kTileRows = Warps * kWarpRows;
-  constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte chunk
-  constexpr int kChunks = D / kVec;                        // chunks per row
-  constexpr int kRowBytes = D * static_cast<int>(sizeof(T));
+  constexpr int kVec = 16 / static_cast<int>(sizeof(KV));  // elements per 16-byte chunk
+  constexpr int kChunks = D / kVec;                         // chunks per row
+  constexpr int kRowBytes = D * static_cast<int>(sizeof(KV));
   constexpr int kTileBytes = kTileRows * kRowBytes;
+  constexpr int kStageBytes = stage_bytes(kTileRows, D, static_cast<int>(sizeof(KV)));
+  // The tensor cores' operand tiles: the ring's, or the fp8 staging's.
+  constexpr int kOpRowBytes = D * static_cast<int>(sizeof(T));
+  constexpr int kOpTileBytes = kTileRows * kOpRowBytes;
   constexpr int kRowsPerPass = kThreads / kChunks;  // rows one pass of the CTA copies
   constexpr int kPasses = kTileRows / kRowsPerPass;
   constexpr int kKSteps = D / 16;   // k-steps of Q K^T
   constexpr int kNTiles = D / 8;    // n-tiles of P V
   constexpr int kHeads = kMaxHeadsPerCta;
-  static_assert(kChunks >= 8 && kThreads % kChunks == 0 && kTileRows % kRowsPerPass == 0,
+  static_assert(!kFp8 || std::is_same_v<T, __nv_bfloat16>, "fp8 pages take bf16 queries");
+  static_assert((kFp8 || kChunks >= 8) && kThreads % kChunks == 0 && kTileRows % kRowsPerPass == 0,
                 "a row is at least 8 chunks (the swizzle) and a pass covers whole rows");
   const float kNegInf = -__int_as_float(0x7f800000);
 
   extern __shared__ __align__(128) unsigned char ring[];
-  __shared__ const T* pages[kPageRing];
+  __shared__ const KV* pages[kPageRing];
   // Q's A fragments while the tiles stream (read from shared memory at
   // every k-step, not held in registers: the kernel must stay under 192
   // registers to start beside the selection's CTAs), the merge's weights
@@ -627,21 +682,35 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
     const int row0 = (win ? t : t - wt) * kTileRows, rows = win ? w_rows : ck * F, r0 = win ? 0 : cw;
     const int first = r0 + row0 / F, last = r0 + (min(rows, row0 + kTileRows) - 1) / F;  // items of the CTA
     if (first < page_base || last >= page_end) fill_pages(first, cw + ck);  // uniform across the CTA
-    const unsigned kdst = ring_base + static_cast<unsigned>(stage * 2 * kTileBytes);
+    const unsigned kdst = ring_base + static_cast<unsigned>(stage * kStageBytes);
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
       const int r = row_in_pass + pass * kRowsPerPass;
       const int g = row0 + r;
-      const unsigned off = static_cast<unsigned>(r * kRowBytes + ((chunk ^ (r & 7)) << 4));
+      const unsigned off = static_cast<unsigned>(r * kRowBytes + ((kFp8 ? chunk : chunk ^ (r & 7)) << 4));
       if (g < rows) {
         const int item = f_shift >= 0 ? g >> f_shift : g / F;
         const int rr = g - item * F;
-        const T* src = pages[r0 + item - page_base] + h * head_tile + std::int64_t{rr} * D + chunk * kVec;
+        const KV* src = pages[r0 + item - page_base] + h * head_tile + std::int64_t{rr} * D + chunk * kVec;
         cp_async_16(kdst + off, src, 16);
         cp_async_16(kdst + kTileBytes + off, src + v_offset, 16);
       } else {
         cp_async_16(kdst + off, a.queries, 0);
         cp_async_16(kdst + kTileBytes + off, a.queries, 0);
+      }
+    }
+    if constexpr (kFp8) {  // the rows' K and V scales; zero past the rows
+      for (int i = threadIdx.x; i < 2 * kTileRows; i += kThreads) {
+        const int r = i % kTileRows, g = row0 + r;
+        const unsigned dst = kdst + static_cast<unsigned>(2 * kTileBytes + i * 4);
+        if (g < rows) {
+          const int item = f_shift >= 0 ? g >> f_shift : g / F;
+          const float* sc = c.key_scales(pages[r0 + item - page_base], h) + (g - item * F) +
+                            (i >= kTileRows ? c.value_scale_offset() : 0);
+          ptx::cp_async_4(dst, sc, 4);
+        } else {
+          ptx::cp_async_4(dst, a.queries, 0);
+        }
       }
     }
   };
@@ -654,8 +723,9 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
   // chunk half (lane / 8) % 2; V (transposed) row = warp row + 8 ((lane / 8) % 2) + lane % 8,
   // chunk half lane / 16. Every row's swizzle is lane & 7.
   const int wrow = warp * kWarpRows;
-  const unsigned k_lane = static_cast<unsigned>((wrow + ((lane >> 4) << 3) + (lane & 7)) * kRowBytes);
-  const unsigned v_lane = static_cast<unsigned>(kTileBytes + (wrow + (((lane >> 3) & 1) << 3) + (lane & 7)) * kRowBytes);
+  const unsigned k_lane = static_cast<unsigned>((wrow + ((lane >> 4) << 3) + (lane & 7)) * kOpRowBytes);
+  const unsigned v_lane =
+      static_cast<unsigned>(kOpTileBytes + (wrow + (((lane >> 3) & 1) << 3) + (lane & 7)) * kOpRowBytes);
   const int k_half = (lane >> 3) & 1, v_half = lane >> 4, swz = lane & 7;
 
   // Tile t is issued stages - 1 tiles ahead of its use (the first
@@ -679,8 +749,13 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
       __syncthreads();
     }
     const int stage = t % stages;
-    attend_tile<T, D, kTileRows>(p, ring_base + static_cast<unsigned>(stage * 2 * kTileBytes), k_lane, v_lane, k_half,
-                                 v_half, swz, scratch.q, lane, t, wt, w_rows, ck * F, wrow, qc, m, l, o);
+    unsigned operands = ring_base + static_cast<unsigned>(stage * kStageBytes);
+    if constexpr (kFp8) {
+      widen_fp8_rows<T, D, kTileRows>(ring + stage * kStageBytes, ring + stages * kStageBytes, wrow, lane);
+      operands = ring_base + static_cast<unsigned>(stages * kStageBytes);
+    }
+    attend_tile<T, D, kTileRows>(p, operands, k_lane, v_lane, k_half, v_half, swz, scratch.q, lane, t, wt, w_rows,
+                                 ck * F, wrow, qc, m, l, o);
   }
   l += __shfl_xor_sync(0xFFFFFFFFu, l, 1);
   l += __shfl_xor_sync(0xFFFFFFFFu, l, 2);
@@ -710,19 +785,19 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
 /// that honours griddepcontrol.wait (a programmatic launch of an older
 /// build would read the selection before it is written) and has the cluster
 /// merge.
-template <class T, int D, tile_policy Tile>
+template <class T, class KV, int D, tile_policy Tile>
 bool runs_sm90_build() {
   static hisparse::detail::per_device_flag built;
   return built.get([] {
-    void (*kernel)(decode_attention_params<T>) = &decode_attention_kernel<T, D, Tile.warps, Tile.stages>;
+    void (*kernel)(decode_attention_params<T, KV>) = &decode_attention_kernel<T, KV, D, Tile.warps, Tile.stages>;
     return hisparse::detail::kernel_built_for_sm90(reinterpret_cast<const void*>(kernel));
   });
 }
 
-template <class T, int D, tile_policy Tile>
-status launch_decode_attention(decode_attention_params<T> p, int smem_bytes, bool overlap_previous,
+template <class T, class KV, int D, tile_policy Tile>
+status launch_decode_attention(decode_attention_params<T, KV> p, int smem_bytes, bool overlap_previous,
                                cudaStream_t stream) {
-  constexpr auto kernel = &decode_attention_kernel<T, D, Tile.warps, Tile.stages>;
+  constexpr auto kernel = &decode_attention_kernel<T, KV, D, Tile.warps, Tile.stages>;
   HISPARSE_TRY(hisparse::detail::raise_dynamic_smem<kernel>(smem_bytes));
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.a.cache.kv_heads * p.head_splits),
@@ -737,7 +812,7 @@ status launch_decode_attention(decode_attention_params<T> p, int smem_bytes, boo
   // Programmatic edges in captured graphs came with CUDA 12.3: older
   // toolkits launch in plain stream order.
   constexpr bool kToolkitOverlaps = CUDART_VERSION >= 12030;
-  const bool sm90 = runs_sm90_build<T, D, Tile>();
+  const bool sm90 = runs_sm90_build<T, KV, D, Tile>();
   if (kToolkitOverlaps && overlap_previous && p.a.sparse() && sm90) {
     attribute[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attribute[n].val.programmaticStreamSerializationAllowed = 1;
@@ -762,10 +837,12 @@ status launch_decode_attention(decode_attention_params<T> p, int smem_bytes, boo
 }  // namespace detail
 
 /// Checks the arguments before any work; names what is wrong.
-template <class T>
-[[nodiscard]] status can_implement_decode_attention(const decode_attention_arguments<T>& a) {
+template <class T, class KV>
+[[nodiscard]] status can_implement_decode_attention(const decode_attention_arguments<T, KV>& a) {
   static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>,
-                "decode attention reads bf16 or fp16 KV");
+                "decode attention takes bf16 or fp16 queries");
+  static_assert(std::is_same_v<KV, T> || (kv::is_fp8_v<KV> && std::is_same_v<T, __nv_bfloat16>),
+                "decode attention reads KV of the queries' type, or fp8 e4m3 pages with bf16 queries");
   auto bad = [](const std::string& why) { return fail(status::invalid_argument, "decode attention: " + why); };
   const auto& c = a.cache;
   HISPARSE_TRY(check(attention_shape{a.num_q_heads, c.kv_heads, c.head_dim}));
@@ -793,8 +870,8 @@ template <class T>
 /// this one starts (the selection's CTAs that outlive the rest of it, when
 /// the attention is its programmatic dependent); a CTA that finds no slot
 /// starts late and finishes late, and the merge waits for it.
-template <tile_policy Tile = kDecodeTile, class T>
-[[nodiscard]] status plan_decode_attention(const decode_attention_arguments<T>& a, const gpu_limits& gpu,
+template <tile_policy Tile = kDecodeTile, class T, class KV>
+[[nodiscard]] status plan_decode_attention(const decode_attention_arguments<T, KV>& a, const gpu_limits& gpu,
                                            decode_attention_plan& plan, int counter_batch = 0,
                                            int reserved_ctas = 0) {
   static_assert(valid_decode_tile_v<Tile>);
@@ -803,15 +880,18 @@ template <tile_policy Tile = kDecodeTile, class T>
   plan.heads_per_cta = std::min(group, detail::kMaxHeadsPerCta);
   plan.head_splits = (group + detail::kMaxHeadsPerCta - 1) / detail::kMaxHeadsPerCta;
   // The ring: as many of the policy's stages as one CTA's shared memory holds.
-  const int stage = detail::stage_bytes(Tile.warps * detail::kWarpRows, a.cache.head_dim, static_cast<int>(sizeof(T)));
-  const int room = gpu.smem_per_block - detail::kStaticSmem;
+  const int tile_rows = Tile.warps * detail::kWarpRows, kv_bytes = static_cast<int>(sizeof(KV));
+  const int stage = detail::stage_bytes(tile_rows, a.cache.head_dim, kv_bytes);
+  const int staging = detail::staging_bytes(tile_rows, a.cache.head_dim, kv_bytes, static_cast<int>(sizeof(T)));
+  const int room = gpu.smem_per_block - detail::kStaticSmem - staging;
   plan.tile = Tile;
   plan.stages = std::min(Tile.stages, room / stage);
   if (plan.stages < 1)
     return fail(status::unsupported, "decode attention: one stage of " + std::to_string(stage) +
                                          " bytes does not fit the GPU's " + std::to_string(gpu.smem_per_block) +
                                          " bytes of shared memory per CTA (use fewer warps per tile)");
-  plan.smem_bytes = std::max(plan.stages * stage, detail::warp_merge_bytes(Tile.warps, a.cache.head_dim));
+  const int tiles_bytes = plan.stages * stage + staging;  // the merges reuse all of it
+  plan.smem_bytes = std::max(tiles_bytes, detail::warp_merge_bytes(Tile.warps, a.cache.head_dim));
   plan.ctas_per_sm = std::max(1, std::min(detail::register_ctas_per_sm(a.cache.head_dim, Tile.warps),
                                           gpu.smem_per_sm / (plan.smem_bytes + detail::kStaticSmem)));
   // As many splits as fill one wave, not more: a second, partial wave costs
@@ -828,7 +908,7 @@ template <tile_policy Tile = kDecodeTile, class T>
   const auto cluster_fits = [&](std::int64_t splits) {
     return a.sparse() && gpu.cc_major >= 9 && splits >= 2 && splits <= detail::kMaxClusterSplits &&
            detail::cluster_merge_end(Tile.warps, plan.heads_per_cta, static_cast<int>(splits), a.cache.head_dim) <=
-               plan.stages * stage;
+               tiles_bytes;
   };
   if (a.sparse() && splits_wanted > detail::kMaxClusterSplits && cluster_fits(detail::kMaxClusterSplits))
     splits_wanted = detail::kMaxClusterSplits;
@@ -867,8 +947,8 @@ template <tile_policy Tile = kDecodeTile, class T>
 
 /// The same for an sm_90-class GPU with `num_sms` multiprocessors (host-side
 /// planning without a device; runtime code passes current_gpu_limits).
-template <tile_policy Tile = kDecodeTile, class T>
-[[nodiscard]] status plan_decode_attention(const decode_attention_arguments<T>& a, int num_sms,
+template <tile_policy Tile = kDecodeTile, class T, class KV>
+[[nodiscard]] status plan_decode_attention(const decode_attention_arguments<T, KV>& a, int num_sms,
                                            decode_attention_plan& plan, int counter_batch = 0,
                                            int reserved_ctas = 0) {
   gpu_limits gpu;
@@ -899,8 +979,8 @@ template <tile_policy Tile = kDecodeTile, class T>
 /// only before reading the selection. Pass true only when that kernel is the
 /// selection feeding this run and writes nothing else this run reads
 /// (hierarchical_decode::run does).
-template <class T, tile_policy Tile = kDecodeTile>
-[[nodiscard]] status decode_attention_async(const decode_attention_plan& plan, const decode_attention_arguments<T>& a,
+template <class T, tile_policy Tile = kDecodeTile, class KV>
+[[nodiscard]] status decode_attention_async(const decode_attention_plan& plan, const decode_attention_arguments<T, KV>& a,
                                             void* workspace, cudaStream_t stream = nullptr,
                                             bool overlap_previous = false) {
   static_assert(valid_decode_tile_v<Tile>);
@@ -910,7 +990,8 @@ template <class T, tile_policy Tile = kDecodeTile>
   // The kernel trusts the ring, the split count and the cluster merge's
   // layout; a plan edited by hand must not break them.
   const int ring_bytes =
-      std::max(plan.stages * detail::stage_bytes(Tile.block_kv, a.cache.head_dim, static_cast<int>(sizeof(T))),
+      std::max(detail::tile_smem_bytes(plan.stages, Tile.block_kv, a.cache.head_dim, static_cast<int>(sizeof(KV)),
+                                       static_cast<int>(sizeof(T))),
                detail::warp_merge_bytes(Tile.warps, a.cache.head_dim));
   const int merge_end =
       detail::cluster_merge_end(Tile.warps, std::min(a.num_q_heads / a.cache.kv_heads, detail::kMaxHeadsPerCta),
@@ -933,7 +1014,7 @@ template <class T, tile_policy Tile = kDecodeTile>
   if (workspace == nullptr) return fail(status::invalid_argument, "decode attention: the plan needs a workspace");
   if (a.sparse() && (a.kept_slices == nullptr || a.num_slices == nullptr))
     return fail(status::invalid_argument, "decode attention: a sparse run needs kept_slices and num_slices");
-  detail::decode_attention_params<T> p{};
+  detail::decode_attention_params<T, KV> p{};
   p.a = a;
   p.group = a.num_q_heads / a.cache.kv_heads;
   p.head_splits = plan.head_splits;
@@ -947,7 +1028,7 @@ template <class T, tile_policy Tile = kDecodeTile>
   p.partial_lse = plan.splits > 1 ? reinterpret_cast<float*>(ws + plan.lse_offset) : nullptr;
   p.counters = reinterpret_cast<unsigned*>(ws + plan.counter_offset);
   return dispatch_head_dim(a.cache.head_dim, [&](auto d) {
-    return detail::launch_decode_attention<T, d(), Tile>(p, plan.smem_bytes, overlap_previous, stream);
+    return detail::launch_decode_attention<T, KV, d(), Tile>(p, plan.smem_bytes, overlap_previous, stream);
   });
 }
 

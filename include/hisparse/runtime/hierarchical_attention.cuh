@@ -28,6 +28,7 @@
 #include "hisparse/attention/decode.cuh"
 #include "hisparse/config.hpp"
 #include "hisparse/core/status.hpp"
+#include "hisparse/kv/fp8.hpp"
 #include "hisparse/kv/paged_kv_ref.hpp"
 #include "hisparse/policy/selection_policy.hpp"
 #include "hisparse/runtime/compose.hpp"
@@ -36,15 +37,16 @@
 namespace hisparse {
 
 /// One decode step of a batch: the queries, which cache slot each row is,
-/// and where the output (and optionally the log-sum-exp) goes.
-template <class T>
+/// and where the output (and optionally the log-sum-exp) goes. KV: the
+/// cache's element type (T, or fp8 e4m3 pages with bf16 queries).
+template <class T, class KV = T>
 struct decode_step_arguments {
   const T* queries = nullptr;           ///< [batch][num_q_heads][head_dim]
   const std::int32_t* slots = nullptr;  ///< [batch], device
   int batch = 0;
   int layer = 0;
   int num_q_heads = 0;
-  kv::paged_kv_ref<T> cache{};
+  kv::paged_kv_ref<KV> cache{};
   T* out = nullptr;      ///< [batch][num_q_heads][head_dim]
   float* lse = nullptr;  ///< optional [batch][num_q_heads], natural log
   float softmax_scale = 0.0f;  ///< 0: 1 / sqrt(head_dim)
@@ -53,11 +55,11 @@ struct decode_step_arguments {
 /// Shape-only arguments for `cache`: what checks and workspace sizes read
 /// (batch, heads, the cache's layout), with placeholder pointers that are
 /// never dereferenced. For sizing before any buffer exists.
-template <class T>
-[[nodiscard]] decode_step_arguments<T> shape_only_decode_arguments(const kv::paged_kv_ref<T>& cache, int batch,
-                                                                   int num_q_heads) {
+template <class KV, class T = kv::kv_input_t<KV>>
+[[nodiscard]] decode_step_arguments<T, KV> shape_only_decode_arguments(const kv::paged_kv_ref<KV>& cache, int batch,
+                                                                       int num_q_heads) {
   static const T placeholder alignas(16)[8]{};
-  decode_step_arguments<T> a;
+  decode_step_arguments<T, KV> a;
   a.queries = placeholder;
   a.slots = reinterpret_cast<const std::int32_t*>(placeholder);
   a.batch = batch;
@@ -70,9 +72,9 @@ template <class T>
 namespace detail {
 /// The attention over every stored token of a step's arguments (the sparse
 /// step adds its selection to this).
-template <class T>
-attention::decode_attention_arguments<T> dense_attention_arguments(const decode_step_arguments<T>& a) {
-  attention::decode_attention_arguments<T> d;
+template <class T, class KV>
+attention::decode_attention_arguments<T, KV> dense_attention_arguments(const decode_step_arguments<T, KV>& a) {
+  attention::decode_attention_arguments<T, KV> d;
   d.queries = a.queries;
   d.slots = a.slots;
   d.batch = a.batch;
@@ -87,12 +89,12 @@ attention::decode_attention_arguments<T> dense_attention_arguments(const decode_
 }
 }  // namespace detail
 
-template <class T, tile_policy Tile = attention::kDecodeTile>
+template <class T, tile_policy Tile = attention::kDecodeTile, class KV = T>
 class hierarchical_decode {
   static_assert(valid_decode_tile_v<Tile>);
 
  public:
-  using arguments = decode_step_arguments<T>;
+  using arguments = decode_step_arguments<T, KV>;
 
   explicit hierarchical_decode(const SparseAttentionConfig& cfg) : cfg_(cfg) {}
 
@@ -313,7 +315,7 @@ class hierarchical_decode {
     return out;
   }
 
-  attention::decode_attention_arguments<T> attention_arguments(const arguments& a, const std::int32_t* kept,
+  attention::decode_attention_arguments<T, KV> attention_arguments(const arguments& a, const std::int32_t* kept,
                                                                const std::int32_t* num) const {
     auto d = detail::dense_attention_arguments(a);
     d.kept_slices = kept;
@@ -357,12 +359,12 @@ class hierarchical_attention : public hierarchical_decode<T, Tile> {
 
 /// The dense baseline with the same plan/run protocol: the attention kernel
 /// with every stored token kept (no selection launch).
-template <class T, tile_policy Tile = attention::kDecodeTile>
+template <class T, tile_policy Tile = attention::kDecodeTile, class KV = T>
 class dense_decode {
   static_assert(valid_decode_tile_v<Tile>);
 
  public:
-  using arguments = decode_step_arguments<T>;
+  using arguments = decode_step_arguments<T, KV>;
 
   [[nodiscard]] status workspace_bytes(const arguments& a, std::size_t& bytes) const {
     attention::decode_attention_plan p;
@@ -394,7 +396,7 @@ class dense_decode {
     return attention::plan_decode_attention<Tile>(detail::dense_attention_arguments(a), gpu, p);
   }
 
-  attention::decode_attention_arguments<T> args_{};
+  attention::decode_attention_arguments<T, KV> args_{};
   attention::decode_attention_plan plan_{};
   void* workspace_ = nullptr;
   bool planned_ = false;

@@ -28,6 +28,7 @@
 #include "hisparse/config.hpp"
 #include "hisparse/contract.hpp"
 #include "hisparse/core/status.hpp"
+#include "hisparse/kv/fp8.hpp"
 #include "hisparse/kv/paged_kv_ref.hpp"
 #include "hisparse/policy/selection_policy.hpp"
 #include "hisparse/runtime/compose.hpp"
@@ -79,6 +80,8 @@ template <class T, tile_policy Tile = attention::kPrefillTile,
           attention::pv_precision P = attention::pv_precision::split>
 class hierarchical_prefill {
   static_assert(valid_prefill_tile_v<Tile>);
+  static_assert(!kv::is_fp8_v<T>,
+                "the sparse prefill reads 16-bit K/V pages: prefill into a bf16 cache (an fp8 cache serves decode)");
 
  public:
   using arguments = prefill_step_arguments<T>;
