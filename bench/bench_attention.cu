@@ -49,12 +49,13 @@ using bench::replay_graph;
 /// paged cache built for `cfg` (its slice and block sizes and fine summary),
 /// filled in 16K-token chunks of fresh device-drawn normal samples (one
 /// chunk appended again and again would repeat every block score and
-/// inflate the ranking with ties); arguments(r) is batch r.
-template <class T>
+/// inflate the ranking with ties); arguments(r) is batch r. KV: the pages'
+/// element type (T, or fp8 e4m3 quantized from the same T samples).
+template <class T, class KV = T>
 struct decode_fixture {
   int batch, dim;
   mr::device_pool_resource device;
-  kv::paged_kv_cache<T, mr::device_pool_resource> cache;
+  kv::paged_kv_cache<KV, mr::device_pool_resource> cache;
   std::vector<std::int32_t> slots;
   device_array<T> queries, out;
   device_array<float> lse;
@@ -104,8 +105,8 @@ struct decode_fixture {
     HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
-  decode_step_arguments<T> arguments(int copy = 0) const {
-    decode_step_arguments<T> a;
+  decode_step_arguments<T, KV> arguments(int copy = 0) const {
+    decode_step_arguments<T, KV> a;
     a.queries = queries.ptr;
     a.slots = d_slots->ptr + static_cast<std::size_t>(copy) * batch;
     a.batch = batch;
@@ -128,13 +129,13 @@ int step_copies(const SparseAttentionConfig& cfg, int batch, std::int32_t contex
 }
 
 /// One planned step per copy of the batch, each with its own workspace.
-template <class T, tile_policy Tile = attention::kDecodeTile>
+template <class T, tile_policy Tile = attention::kDecodeTile, class KV = T>
 struct planned_steps {
-  std::vector<std::unique_ptr<hierarchical_decode<T, Tile>>> steps;
+  std::vector<std::unique_ptr<hierarchical_decode<T, Tile, KV>>> steps;
   std::vector<std::unique_ptr<device_array<char>>> workspaces;
-  planned_steps(const SparseAttentionConfig& cfg, const decode_fixture<T>& fx, int copies, cudaStream_t stream) {
+  planned_steps(const SparseAttentionConfig& cfg, const decode_fixture<T, KV>& fx, int copies, cudaStream_t stream) {
     for (int r = 0; r < copies; ++r) {
-      steps.push_back(std::make_unique<hierarchical_decode<T, Tile>>(cfg));
+      steps.push_back(std::make_unique<hierarchical_decode<T, Tile, KV>>(cfg));
       std::size_t bytes = 0;
       throw_if_error(steps.back()->workspace_bytes(fx.arguments(r), bytes));
       workspaces.push_back(std::make_unique<device_array<char>>(bytes));
@@ -143,7 +144,7 @@ struct planned_steps {
   }
   int copies() const { return static_cast<int>(steps.size()); }
   int launches() const { return std::max(kReplays, copies()); }
-  hierarchical_decode<T, Tile>& operator[](int i) { return *steps[static_cast<std::size_t>(i % copies())]; }
+  hierarchical_decode<T, Tile, KV>& operator[](int i) { return *steps[static_cast<std::size_t>(i % copies())]; }
 };
 
 /// Replays `graph` once per benchmark iteration (the iteration's time: the
@@ -173,20 +174,71 @@ double copy_bandwidth(bench::event_timer& timer, cudaStream_t stream) {
   return 2.0 * kBytes / bench::median(t);
 }
 
-template <class T>
+/// The output and kept slices of one step of `step` (planned on batch 0).
+template <class Step>
+void download_step(Step& step, int batch, int dim, std::vector<float>& out,
+                   std::vector<std::int32_t>& kept, std::vector<std::int32_t>& num, const __nv_bfloat16* d_out,
+                   int top_k_fine) {
+  std::vector<__nv_bfloat16> o(static_cast<std::size_t>(batch) * kQHeads * dim);
+  HISPARSE_CUDA_CHECK(cudaMemcpy(o.data(), d_out, o.size() * sizeof(o[0]), cudaMemcpyDeviceToHost));
+  out.clear();
+  for (const auto x : o) out.push_back(to_float(x));
+  kept.resize(static_cast<std::size_t>(batch) * kKvHeads * top_k_fine);
+  num.resize(static_cast<std::size_t>(batch) * kKvHeads);
+  HISPARSE_CUDA_CHECK(cudaMemcpy(kept.data(), step.kept_slices(), kept.size() * 4, cudaMemcpyDeviceToHost));
+  HISPARSE_CUDA_CHECK(cudaMemcpy(num.data(), step.num_slices(), num.size() * 4, cudaMemcpyDeviceToHost));
+}
+
+/// FP8 pages against bf16 pages of the same samples (one step on batch 0):
+/// the share of the bf16 step's kept slices the fp8 step keeps too, and the
+/// output's relative L2 difference.
+void compare_fp8_with_bf16(benchmark::State& state, const SparseAttentionConfig& cfg, int batch, std::int32_t context,
+                           int dim, hierarchical_decode<__nv_bfloat16, attention::kDecodeTile, kv::fp8_e4m3>& fp8,
+                           const __nv_bfloat16* fp8_out) {
+  std::vector<float> o8, o16;
+  std::vector<std::int32_t> k8, n8, k16, n16;
+  HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
+  throw_if_error(fp8.run());
+  HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
+  download_step(fp8, batch, dim, o8, k8, n8, fp8_out, cfg.top_k_fine);
+  decode_fixture<__nv_bfloat16> ref(cfg, batch, context, dim, 1);
+  hierarchical_decode<__nv_bfloat16> step(cfg);
+  std::size_t bytes = 0;
+  throw_if_error(step.workspace_bytes(ref.arguments(), bytes));
+  device_array<char> ws(bytes);
+  throw_if_error(step.plan(ref.arguments(), ws.ptr, bytes));
+  throw_if_error(step.run());
+  HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
+  download_step(step, batch, dim, o16, k16, n16, ref.out.ptr, cfg.top_k_fine);
+  double both = 0, total = 0, diff = 0, norm = 0;
+  for (std::size_t r = 0; r < n16.size(); ++r) {
+    const auto* a = k16.data() + r * cfg.top_k_fine;
+    const auto* b = k8.data() + r * cfg.top_k_fine;
+    for (int i = 0; i < n16[r]; ++i) both += std::find(b, b + n8[r], a[i]) != b + n8[r] ? 1 : 0;
+    total += n16[r];
+  }
+  for (std::size_t i = 0; i < o16.size(); ++i) {
+    diff += (static_cast<double>(o8[i]) - o16[i]) * (static_cast<double>(o8[i]) - o16[i]);
+    norm += static_cast<double>(o16[i]) * o16[i];
+  }
+  state.counters["fp8_kept_of_bf16"] = total > 0 ? both / total : 1.0;
+  state.counters["fp8_out_rel_l2"] = std::sqrt(diff / norm);
+}
+
+template <class T, class KV = T>
 void decode_step(benchmark::State& state, const SparseAttentionConfig& cfg, int batch, std::int32_t context,
                  int dim) {
-  const int elem = static_cast<int>(sizeof(T));
+  const int elem = static_cast<int>(sizeof(KV));
   const int copies = step_copies(cfg, batch, context, dim, elem);
-  decode_fixture<T> fx(cfg, batch, context, dim, copies);
+  decode_fixture<T, KV> fx(cfg, batch, context, dim, copies);
   const auto args = fx.arguments();
   cudaStream_t stream = nullptr;
   HISPARSE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   bench::event_timer timer;
 
-  planned_steps<T> steps(cfg, fx, copies, stream);
-  hierarchical_decode<T>& sparse = steps[0];
-  dense_decode<T> dense;
+  planned_steps<T, attention::kDecodeTile, KV> steps(cfg, fx, copies, stream);
+  hierarchical_decode<T, attention::kDecodeTile, KV>& sparse = steps[0];
+  dense_decode<T, attention::kDecodeTile, KV> dense;
   std::size_t dense_bytes = 0;
   throw_if_error(dense.workspace_bytes(args, dense_bytes));
   device_array<char> dense_ws(dense_bytes);
@@ -231,7 +283,7 @@ void decode_step(benchmark::State& state, const SparseAttentionConfig& cfg, int 
     for (int h = 0; h < kKvHeads; ++h)
       attended += static_cast<double>(num[static_cast<std::size_t>(b * kKvHeads + h)]) * cfg.fine_slice +
                   (context - window[static_cast<std::size_t>(b)]);
-  const double kv_row = 2.0 * dim * elem;  // K and V of one token of one head
+  const double kv_row = 2.0 * dim * elem + (elem == 1 ? 8.0 : 0.0);  // K and V of one token of one head (and fp8 scales)
   const double attn_bytes = attended * kv_row;
   const double ws_before = window[0];
   const double blocks = std::ceil(ws_before / cfg.coarse_block);
@@ -263,6 +315,7 @@ void decode_step(benchmark::State& state, const SparseAttentionConfig& cfg, int 
   state.counters["dense_of_copy"] = dense_bytes_read / dense_s / copy;
   state.counters["splits"] = sparse.attention_plan().splits;
   state.counters["cluster_merge"] = sparse.attention_plan().cluster_merge ? 1 : 0;
+  if constexpr (kv::is_fp8_v<KV>) compare_fp8_with_bf16(state, cfg, batch, context, dim, sparse, fx.out.ptr);
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
@@ -657,7 +710,8 @@ inline constexpr tile_policy kTile128x8x2{1, 128, 8, 2};
 /// same) for every point of the sweep.
 void register_decode_steps(const bench::sweep& axes) {
   for (const auto& dtype : axes.dtype)
-    if (dtype != "bf16" && dtype != "fp16") throw error(status::invalid_argument, "--dtype: bf16 or fp16");
+    if (dtype != "bf16" && dtype != "fp16" && dtype != "fp8")
+      throw error(status::invalid_argument, "--dtype: bf16, fp16 or fp8 (bf16 queries, e4m3 pages: decode steps only)");
   for (const auto d : axes.head_dim)
     if (d != 64 && d != 128 && d != 256) throw error(status::invalid_argument, "--head_dim: 64, 128 or 256");
   for (const auto t : axes.context)
@@ -676,11 +730,14 @@ void register_decode_steps(const bench::sweep& axes) {
             auto run = [=](benchmark::State& state) {
               if (dtype == "bf16") {
                 decode_step<__nv_bfloat16>(state, cfg, batch, context, dim);
+              } else if (dtype == "fp8") {
+                decode_step<__nv_bfloat16, kv::fp8_e4m3>(state, cfg, batch, context, dim);
               } else {
                 decode_step<__half>(state, cfg, batch, context, dim);
               }
             };
             benchmark::RegisterBenchmark(id.c_str(), run)->UseManualTime()->Unit(benchmark::kMicrosecond);
+            if (dtype == "fp8") continue;  // the stream and offload rows: bf16 and fp16
             auto stream = [=](benchmark::State& state) {
               if (dtype == "bf16") {
                 decode_stream<__nv_bfloat16>(state, cfg, batch, context, dim);

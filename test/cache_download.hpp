@@ -3,13 +3,16 @@
 // the host through its device view (kv::paged_kv_ref), the way a kernel
 // finds it. Synchronous (the whole device), for tests only.
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
 #include <cuda_runtime_api.h>
 
 #include "hisparse/core/status.hpp"
+#include "hisparse/kv/fp8.hpp"
 #include "hisparse/kv/paged_kv_ref.hpp"
 
 namespace hisparse::test {
@@ -42,6 +45,35 @@ void download_kv(const kv::paged_kv_ref<T>& r, int slot, int layer, std::vector<
         HISPARSE_CUDA_CHECK(cudaMemcpy2D(dst, sizeof(T) * H * D, src, sizeof(T) * D, sizeof(T) * D,
                                          static_cast<std::size_t>(rows), cudaMemcpyDeviceToHost));
       }
+  }
+}
+
+/// FP8 pages (kv/fp8.hpp): every stored row's codes and scale, as
+/// [length][kv_heads][head_dim] codes and [length][kv_heads] scales.
+inline void download_fp8_kv(const kv::paged_kv_ref<kv::fp8_e4m3>& r, int slot, int layer,
+                            std::vector<kv::fp8_e4m3> (&codes)[2], std::vector<float> (&scales)[2]) {
+  const std::int64_t len = device_length(r, slot, layer);
+  const int F = r.fine_slice, H = r.kv_heads, D = r.head_dim;
+  const std::int64_t slices = (len + F - 1) / F;
+  std::vector<kv::fp8_e4m3*> pages(static_cast<std::size_t>(slices));
+  HISPARSE_CUDA_CHECK(cudaMemcpy(pages.data(), r.page_table + r.table_index(r.seq_layer(slot, layer), 0),
+                                 pages.size() * sizeof(pages[0]), cudaMemcpyDeviceToHost));
+  const std::size_t page_bytes = static_cast<std::size_t>(r.page_elems()) + 2 * H * F * sizeof(float);
+  std::vector<unsigned char> page(page_bytes);
+  for (int kv = 0; kv < 2; ++kv) {
+    codes[kv].assign(static_cast<std::size_t>(len * H * D), kv::fp8_e4m3{});
+    scales[kv].assign(static_cast<std::size_t>(len * H), 0.0f);
+  }
+  for (std::int64_t sl = 0; sl < slices; ++sl) {
+    HISPARSE_CUDA_CHECK(cudaMemcpy(page.data(), pages[static_cast<std::size_t>(sl)], page_bytes, cudaMemcpyDeviceToHost));
+    const auto* p = reinterpret_cast<const kv::fp8_e4m3*>(page.data());
+    for (std::int64_t t = sl * F; t < std::min(len, (sl + 1) * F); ++t)
+      for (int h = 0; h < H; ++h)
+        for (int kv = 0; kv < 2; ++kv) {
+          const std::int64_t row = (kv * H + h) * F + (t - sl * F);
+          std::memcpy(codes[kv].data() + (t * H + h) * D, p + row * D, static_cast<std::size_t>(D));
+          std::memcpy(&scales[kv][static_cast<std::size_t>(t * H + h)], page.data() + r.page_elems() + row * 4, 4);
+        }
   }
 }
 
