@@ -1034,13 +1034,15 @@ template <class T, tile_policy Tile = kDecodeTile, class KV>
 
 }  // namespace hisparse::attention
 
-/// `prefix template` of decode_attention_async for KV type T with the
-/// default tile (core/macros.hpp: HISPARSE_EXTERN_TEMPLATES).
-#define HISPARSE_DECODE_ATTENTION_INSTANCE(prefix, T)                                                         \
-  prefix template ::hisparse::status hisparse::attention::decode_attention_async<T, hisparse::attention::kDecodeTile>( \
-      const hisparse::attention::decode_attention_plan&, const hisparse::attention::decode_attention_arguments<T>&,   \
+/// `prefix template` of decode_attention_async for queries T over pages of
+/// KV with the default tile (core/macros.hpp: HISPARSE_EXTERN_TEMPLATES).
+#define HISPARSE_DECODE_ATTENTION_INSTANCE(prefix, T, KV)                                                     \
+  prefix template ::hisparse::status                                                                          \
+  hisparse::attention::decode_attention_async<T, hisparse::attention::kDecodeTile, KV>(                       \
+      const hisparse::attention::decode_attention_plan&, const hisparse::attention::decode_attention_arguments<T, KV>&, \
       void*, cudaStream_t, bool);
 #if defined(HISPARSE_EXTERN_TEMPLATES)
-HISPARSE_DECODE_ATTENTION_INSTANCE(extern, __nv_bfloat16)
-HISPARSE_DECODE_ATTENTION_INSTANCE(extern, __half)
+HISPARSE_DECODE_ATTENTION_INSTANCE(extern, __nv_bfloat16, __nv_bfloat16)
+HISPARSE_DECODE_ATTENTION_INSTANCE(extern, __half, __half)
+HISPARSE_DECODE_ATTENTION_INSTANCE(extern, __nv_bfloat16, ::hisparse::kv::fp8_e4m3)
 #endif
