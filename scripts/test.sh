@@ -6,6 +6,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 jobs=$(nproc)
+elapsed() { echo "scripts/test.sh: $1 (${SECONDS}s)"; }  # where CI's time goes
 
 need=()
 [ -f /usr/include/catch2/catch.hpp ] || need+=(catch2)
@@ -20,7 +21,9 @@ fi
 cd "$root"
 cmake --preset cpu
 cmake --build --preset cpu -j "$jobs"
+elapsed "built every test, benchmark and example"
 ctest --preset cpu -j "$jobs"
+elapsed "CPU tests passed"
 
 # The package as users consume it: install to a scratch prefix, then build a
 # separate project against it with find_package(hisparse).
@@ -31,6 +34,7 @@ cmake -S examples/consumer -B build/consumer -DCMAKE_PREFIX_PATH="$prefix" -DCMA
 cmake --build build/consumer -j "$jobs"
 ./build/consumer/consumer
 ./build/consumer/consumer_decode  # a GPU decode step; says "skipped" without a device
+elapsed "consumers built and run"
 
 # The PyTorch package (python/): built in place for one architecture (the
 # library's kernels were compiled for all of them above; this proves the
@@ -40,6 +44,7 @@ cmake --build build/consumer -j "$jobs"
 py=${HISPARSE_PYTHON:-python3}
 if "$py" -c "import torch, pytest" 2>/dev/null; then
   TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0} MAX_JOBS=$jobs "$py" setup.py -q build_ext --inplace >/dev/null
+  elapsed "PyTorch extension built"
   PYTHONPATH=python "$py" -m pytest -q -p no:cacheprovider python/tests
   python_note="python tests passed (GPU ones skipped without a device)"
 else
