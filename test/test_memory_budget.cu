@@ -80,6 +80,12 @@ TEST_CASE("the memory budget of a small model fits and sums its parts", "[runtim
   CHECK(b.fits());
   CHECK(b.pages_off_device() == 0);
   CHECK(b.host_bytes() == 0);
+  // A model_decode plans each layer into its own aligned part.
+  in.whole_model_decode = true;
+  memory_budget m;
+  REQUIRE(plan_memory(in, m) == status::success);
+  CHECK(m.decode_workspace == 2 * workspace_layout<1>::align(b.decode_workspace));
+  CHECK(m.total() - m.decode_workspace == b.total() - b.decode_workspace);
 }
 
 TEST_CASE("the memory budget rejects what no cache could hold", "[runtime][budget][errors]") {

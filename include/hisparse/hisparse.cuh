@@ -30,3 +30,7 @@
 #include "hisparse/runtime/hierarchical_attention.cuh"
 #include "hisparse/runtime/hierarchical_prefill.cuh"
 #include "hisparse/runtime/sparse_attention_op.cuh"
+#include "hisparse/runtime/model_decode.cuh"
+#include "hisparse/runtime/memory_budget.cuh"
+#include "hisparse/runtime/residency.hpp"
+#include "hisparse/runtime/scheduler.hpp"

@@ -10,7 +10,8 @@
 //
 // One cache holds every layer (paged_kv_cache_options::num_layers); the
 // operators run one layer at a time, so one decode and one prefill
-// workspace serve them all.
+// workspace serve them all, unless the decode step is a model_decode (one
+// workspace part per layer, so each layer's kept slices outlive the step).
 
 #include <algorithm>
 #include <cstddef>
@@ -23,6 +24,7 @@
 #include "hisparse/kv/cache_footprint.hpp"
 #include "hisparse/runtime/hierarchical_attention.cuh"
 #include "hisparse/runtime/hierarchical_prefill.cuh"
+#include "hisparse/runtime/model_decode.cuh"
 
 namespace hisparse {
 
@@ -46,6 +48,7 @@ struct memory_budget_inputs {
   int num_sms = 132;                    ///< the GPU's (sm_90-class), for the decode attention's plan
   std::size_t device_limit = 0;         ///< bytes the whole must fit
   std::size_t host_limit = 0;           ///< pinned host bytes offloaded pages may take
+  bool whole_model_decode = false;      ///< the decode step is a model_decode over every layer
 };
 
 struct memory_budget {
@@ -53,7 +56,7 @@ struct memory_budget {
   std::int64_t pages = 0;            ///< every request at its context, every layer
   std::size_t page_memory = 0;       ///< those pages in whole pool chunks
   std::size_t metadata = 0;          ///< the cache's tables and summaries
-  std::size_t decode_workspace = 0;  ///< hierarchical_decode at the whole batch
+  std::size_t decode_workspace = 0;  ///< hierarchical_decode (or model_decode) at the whole batch
   std::size_t prefill_workspace = 0; ///< hierarchical_prefill at prefill_tokens
   std::size_t device_limit = 0;
   std::size_t host_limit = 0;
@@ -144,8 +147,22 @@ struct memory_budget {
   cache.fine = in.config.fine_summary;
   cache.fine_rows = placeholder;
   const int batch = static_cast<int>(in.contexts.size());
-  HISPARSE_TRY(hierarchical_decode<__nv_bfloat16>(in.config).workspace_bytes(
-      shape_only_decode_arguments(cache, batch, m.num_q_heads), in.num_sms, b.decode_workspace));
+  const auto step = shape_only_decode_arguments(cache, batch, m.num_q_heads);
+  if (in.whole_model_decode) {
+    model_decode_arguments<__nv_bfloat16> all;
+    all.queries = step.queries;
+    all.slots = step.slots;
+    all.batch = batch;
+    all.layers = m.layers;
+    all.num_q_heads = m.num_q_heads;
+    all.cache = cache;
+    all.out = step.out;
+    HISPARSE_TRY(model_decode<__nv_bfloat16>(in.config).workspace_bytes(all, in.num_sms,
+                                                                                   b.decode_workspace));
+  } else {
+    HISPARSE_TRY(hierarchical_decode<__nv_bfloat16>(in.config).workspace_bytes(step, in.num_sms,
+                                                                                b.decode_workspace));
+  }
   if (in.prefill_tokens > 0) {
     // A call of prefill_tokens positions from any boundary, cut by at most
     // one tile more per sequence.
