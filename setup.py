@@ -24,6 +24,7 @@ nvcc = [
     "-U__CUDA_NO_HALF_CONVERSIONS__",
     "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
     "-U__CUDA_NO_HALF2_OPERATORS__",
+    "-DHISPARSE_EXTERN_TEMPLATES",
 ]
 
 # nvcc's host compiler is the one that links the extension (torch would pass
@@ -54,7 +55,11 @@ setup(
     ext_modules=[
         CUDAExtension(
             "hisparse._C",
-            sources=["python/csrc/select_ops.cu", "python/csrc/cache_ops.cu"],
+            # The standard kernel instances compile in their own files (so a
+            # parallel build splits them) and the ops' files declare them
+            # extern (HISPARSE_EXTERN_TEMPLATES); the fp8 one is not used.
+            sources=["python/csrc/select_ops.cu", "python/csrc/cache_ops.cu"]
+            + sorted(f"instances/{f}" for f in os.listdir(os.path.join(here, "instances")) if "fp8" not in f),
             include_dirs=[os.path.join(here, "include")],
             extra_compile_args={"cxx": ["-O2", "-std=c++20"], "nvcc": nvcc},
             extra_link_args=link,
