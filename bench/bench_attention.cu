@@ -71,6 +71,7 @@ struct decode_fixture {
     o.max_sequences = sequences;
     o.max_context = context;
     o.fine_summary = cfg.fine_summary;
+    o.coarse_summary = cfg.coarse_summary;
     o.topk_cache_slices = topk_slices;
     o.max_host_bytes = host_bytes;
     return o;

@@ -40,6 +40,7 @@ kv::paged_kv_cache_options cache_options(const SparseAttentionConfig& cfg, int b
   o.max_sequences = batch;
   o.max_context = context;
   o.fine_summary = cfg.fine_summary;
+  o.coarse_summary = cfg.coarse_summary;
   return o;
 }
 

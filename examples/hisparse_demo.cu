@@ -32,7 +32,8 @@
 // kept, with the workload's needle tokens in each.
 //
 // --coarse key_bounds scores blocks by their far keys' ranges instead of
-// their means (config.hpp, coarse_summary; the CPU paths only, so far);
+// their means (config.hpp, coarse_summary; with a GPU, decode only: the
+// prefill rows are left out);
 // --needle-span N makes the workload's needles N tokens long (32).
 //
 // --stream STEPS (CPU): a TopK cache study. Request 0 decodes STEPS steps
@@ -344,7 +345,8 @@ void run_gpu(const options& opt, const hisparse::SparseAttentionConfig& cfg, con
     co.coarse_block = cfg.coarse_block;
     co.max_sequences = B;
     co.max_context = ctx;
-    co.fine_summary = cfg.fine_summary;  // what the preset's decode fine filter reads
+    co.fine_summary = cfg.fine_summary;  // what the preset's decode filters read
+    co.coarse_summary = cfg.coarse_summary;
     kv::paged_kv_cache<bf16, mr::device_pool_resource> cache(device, co);
     device_array<bf16> k(w.keys.size()), v(w.values.size());
     k.upload(w.keys.data(), w.keys.size());
@@ -426,9 +428,11 @@ void run_gpu(const options& opt, const hisparse::SparseAttentionConfig& cfg, con
     // `tail` of them; the decode rows above used the first B).
     const std::int64_t tail = ctx - (ctx - 1) / cfg.query_tile * cfg.query_tile;
     std::vector<bf16> tail_q(w.queries.begin(), w.queries.begin() + tail * Hq * D);
-    prefills.push_back(prefill_row(cfg, shape, cache.ref(), slots[0], ctx, k.ptr, tail_q, stream));
+    if (cfg.coarse_summary == coarse_summary::mean)  // the prefill selection ranks blocks by means only
+      prefills.push_back(prefill_row(cfg, shape, cache.ref(), slots[0], ctx, k.ptr, tail_q, stream));
   }
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
+  if (prefills.empty()) return;
   std::printf("\nprefill of request 0's whole prompt, one sequence (timed with its own keys as queries; mass\n"
               "recall over its last query tile, with the workload's queries, anchored at the prompt's end):\n");
   std::printf("%9s %13s %13s %11s %9s %12s\n", "context", "sparse", "(selection)", "dense", "speed-up",
@@ -653,8 +657,6 @@ int main(int argc, char** argv) try {
   if (opt.stream < 0 || opt.drift < 1) throw error(status::invalid_argument, "--stream and --drift must be >= 1");
   const attention_shape shape{32, 8, 128};  // the 7B GQA model of the reference deployment
   const bool gpu = !opt.cpu && have_gpu();
-  if (gpu && !opt.ceiling && opt.stream == 0 && cfg.coarse_summary != coarse_summary::mean)
-    throw error(status::unsupported, "--coarse key_bounds runs on the CPU paths only (--cpu, --ceiling)");
   if (opt.contexts.empty())
     opt.contexts = gpu ? std::vector<std::int64_t>{32768, 131072, 262144} : std::vector<std::int64_t>{8192, 32768, 131072};
   if (opt.batch < 1) throw error(status::invalid_argument, "--batch must be >= 1");

@@ -106,4 +106,15 @@ std::vector<typename kv::fine_summary_traits<K>::element> download_fine_rows(con
   return rows;
 }
 
+/// The cache's block key bounds, [ceil(length/C)][kv_heads][head_dim];
+/// throws unless the cache keeps them.
+inline std::vector<std::uint32_t> download_block_bounds(const kv::summary_ref& r, int slot, int layer) {
+  if (!r.keeps(coarse_summary::key_bounds)) throw error(status::invalid_argument, "the cache keeps no block bounds");
+  const std::int64_t len = device_length(r, slot, layer);
+  std::vector<std::uint32_t> rows(static_cast<std::size_t>((len + r.coarse_block - 1) / r.coarse_block * r.row_stride()));
+  HISPARSE_CUDA_CHECK(cudaMemcpy(rows.data(), r.block_bounds + r.block_row(r.seq_layer(slot, layer), 0),
+                                 rows.size() * sizeof(rows[0]), cudaMemcpyDeviceToHost));
+  return rows;
+}
+
 }  // namespace hisparse::test

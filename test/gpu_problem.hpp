@@ -66,7 +66,8 @@ kv::paged_kv_cache_options cache_options(const problem<T>& p, std::int64_t max_c
   o.coarse_block = p.cfg.coarse_block;
   o.max_sequences = static_cast<int>(p.lengths.size());
   o.max_context = max_context;
-  o.fine_summary = p.cfg.fine_summary;  // what the config's decode fine filter reads
+  o.fine_summary = p.cfg.fine_summary;  // what the config's decode filters read
+  o.coarse_summary = p.cfg.coarse_summary;
   return o;
 }
 

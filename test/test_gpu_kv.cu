@@ -354,8 +354,8 @@ TEST_CASE("device and pinned resources allocate usable memory", "[gpu][mr][expec
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
-TEMPLATE_TEST_CASE("the cache keeps every slice's key bounds exactly", "[gpu][kv]", __nv_bfloat16, __half,
-                   float) {
+TEMPLATE_TEST_CASE("the cache keeps every slice's and block's key bounds exactly", "[gpu][kv]", __nv_bfloat16,
+                   __half, float) {
   HISPARSE_REQUIRE_GPU();
   const std::uint64_t seed = test::fresh_seed();
   INFO("seed " << seed);
@@ -375,8 +375,10 @@ TEMPLATE_TEST_CASE("the cache keeps every slice's key bounds exactly", "[gpu][kv
     o.max_sequences = kSeqs;
     o.max_context = 2048;
     o.fine_summary = fine_summary::key_bounds;
+    o.coarse_summary = coarse_summary::key_bounds;
     kv::paged_kv_cache<TestType, mr::device_pool_resource> cache(device, o);
     REQUIRE(cache.ref().keeps(fine_summary::key_bounds));
+    REQUIRE(cache.ref().keeps(coarse_summary::key_bounds));
     mirror<TestType> m(kSeqs, kLayers, H, D);
     std::vector<int> slot(kSeqs);
     for (auto& s : slot) REQUIRE(cache.add_sequence(2048, s) == status::success);
@@ -439,6 +441,20 @@ TEMPLATE_TEST_CASE("the cache keeps every slice's key bounds exactly", "[gpu][kv
                   << got[first] << ", want 0x" << want[first];
           INFO(where.str());
           CHECK(bad == 0);
+          // Each block's words: the union of its slices' (decode appends
+          // widen it in place, prefill batches rebuild it).
+          const auto blocks = test::download_block_bounds(cache.ref(), slot[s], layer);
+          const int spb = o.coarse_block / F;
+          std::size_t block_bad = 0;
+          for (std::size_t i = 0; i < blocks.size(); ++i) {
+            const std::size_t vec = static_cast<std::size_t>(H) * D, blk = i / vec, e = i % vec;
+            std::uint32_t w = key_bounds_word(kInf, -kInf);
+            for (std::size_t sl = blk * spb; sl < std::min(want.size() / vec, (blk + 1) * spb); ++sl)
+              w = widened_bounds(w, want[sl * vec + e]);
+            block_bad += blocks[i] != w;
+          }
+          INFO("sequence " << s << " layer " << layer << ": block words that differ");
+          CHECK(block_bad == 0);
           nan_seen += static_cast<std::size_t>(std::count(got.begin(), got.end(), kNaNWord));
           nan_expected += static_cast<std::size_t>(std::count(want.begin(), want.end(), kNaNWord));
           if (layer == 1) verify(cache, m, slot[s], s, layer);  // no inf or NaN there: sums still right
@@ -512,12 +528,22 @@ TEST_CASE("slice key bounds need summaries and are kept only on request", "[gpu]
   o.fine_summary = static_cast<fine_summary>(7);
   o.maintain_summaries = true;
   CHECK_THROWS_WITH(cache_t(device, o), Catch::Contains("fine_summary must be mean, mean_bf16 or key_bounds"));
+  // Block bounds are their slices' bounds' union: they need those.
+  o.fine_summary = fine_summary::mean;
+  o.coarse_summary = coarse_summary::key_bounds;
+  CHECK_THROWS_WITH(cache_t(device, o), Catch::Contains("coarse_summary key_bounds needs fine_summary key_bounds"));
+  CHECK_FALSE(plain.ref().keeps(coarse_summary::key_bounds));
+  CHECK_THROWS_WITH(test::download_block_bounds(plain.ref(), a, 0), Catch::Contains("keeps no block bounds"));
 }
 
 TEST_CASE("a cache allocates exactly its footprint", "[gpu][kv][budget]") {
   HISPARSE_REQUIRE_GPU();
-  for (const auto kind : {fine_summary::mean, fine_summary::mean_bf16, fine_summary::key_bounds}) {
-    INFO("fine summary " << name_of(kind));
+  for (int variant = 0; variant < 4; ++variant) {
+    // Each fine summary, then key bounds at both levels.
+    const auto kind = std::array{fine_summary::mean, fine_summary::mean_bf16, fine_summary::key_bounds,
+                                 fine_summary::key_bounds}[static_cast<std::size_t>(variant)];
+    const auto coarse = variant == 3 ? coarse_summary::key_bounds : coarse_summary::mean;
+    INFO("fine summary " << name_of(kind) << ", coarse summary " << name_of(coarse));
     mr::device_pool_resource device;
     mr::statistics_adaptor<mr::device_pool_resource> stats(device);
     kv::paged_kv_cache_options o;
@@ -527,6 +553,7 @@ TEST_CASE("a cache allocates exactly its footprint", "[gpu][kv][budget]") {
     o.max_sequences = 3;
     o.max_context = 9000;
     o.fine_summary = kind;
+    o.coarse_summary = coarse;
     const kv::cache_footprint f = kv::footprint_of(o, sizeof(__nv_bfloat16));
     std::int64_t pages = 0;
     {

@@ -111,8 +111,10 @@ void compare(const problem& p, const gpu_result& g, int b, bool exact,
   // fine_summary = key_bounds: the slices' key bounds, which for bf16 keys the
   // cache keeps exactly (test_gpu_kv checks its words bit for bit).
   const bool bounds_fine = p.cfg.fine_summary == fine_summary::key_bounds;
-  const std::vector<double> bounds =
-      bounds_fine ? reference::slice_key_bounds(seq.keys, p.cfg, tile.window_begin) : std::vector<double>{};
+  const bool bounds_coarse = p.cfg.coarse_summary == coarse_summary::key_bounds;
+  const std::vector<double> bounds = bounds_fine || bounds_coarse
+                                         ? reference::slice_key_bounds(seq.keys, p.cfg, tile.window_begin)
+                                         : std::vector<double>{};
   const int G = p.shape.group_size(), D = p.shape.head_dim;
   const std::int64_t far_slices = tile.window_begin / p.cfg.fine_slice;
   std::vector<double> fine_means = means;
@@ -149,14 +151,22 @@ void compare(const problem& p, const gpu_result& g, int b, bool exact,
       if (std::isfinite(m)) mnorm = std::max(mnorm, m);
     }
     scale = std::max(scale, std::sqrt(qnorm * mnorm));
-    if (bounds_fine)  // a bound's terms: |Q_d| max(|lo_d|, |hi_d|)
-      for (std::int64_t sl = 0; sl < far_slices; ++sl) {
-        double terms = 0;
-        for (int d = 0; d < D; ++d)
-          terms += std::abs(qs[static_cast<std::size_t>(d)]) *
-                   std::max(std::abs(bounds_of(sl)[2 * d]), std::abs(bounds_of(sl)[2 * d + 1]));
-        if (std::isfinite(terms)) scale = std::max(scale, terms);
-      }
+    // A bound's terms: |Q_d| max(|lo_d|, |hi_d|), of a slice's bounds or a
+    // block's (the widest of its slices' in each dimension).
+    auto bound_terms = [&](const double* b) {
+      double terms = 0;
+      for (int d = 0; d < D; ++d)
+        terms += std::abs(qs[static_cast<std::size_t>(d)]) * std::max(std::abs(b[2 * d]), std::abs(b[2 * d + 1]));
+      if (std::isfinite(terms)) scale = std::max(scale, terms);
+    };
+    if (bounds_fine)
+      for (std::int64_t sl = 0; sl < far_slices; ++sl) bound_terms(bounds_of(sl));
+    if (bounds_coarse)
+      for (std::int64_t s0 = 0; s0 < far_slices; s0 += p.cfg.slices_per_block())
+        bound_terms(
+            reference::block_key_bounds(bounds, s0, std::min<std::int64_t>(s0 + p.cfg.slices_per_block(), far_slices),
+                                        H, h, D)
+                .data());
     REQUIRE(g.num_slices[at] == static_cast<std::int32_t>(rs.kept.size()));
     for (std::size_t i = rs.kept.size(); i < static_cast<std::size_t>(kf); ++i) REQUIRE(gs[i] == -1);
     // Kept scores match the reference's within fp32 accumulation.
@@ -607,6 +617,118 @@ TEST_CASE("decode selection on slice key bounds needs a cache that keeps them", 
   REQUIRE_FALSE(a.keeps(fine_summary::key_bounds));
   CHECK(select::can_implement_decode_selection(cfg, a) == status::invalid_argument);
   CHECK_THAT(last_error(), Catch::Contains("paged_kv_cache_options::fine_summary is mean"));
+}
+
+namespace {
+SparseAttentionConfig with_block_bounds(SparseAttentionConfig c) {
+  c.coarse_summary = coarse_summary::key_bounds;
+  return c;
+}
+}  // namespace
+
+TEST_CASE("decode selection on block key bounds matches the reference", "[gpu][select][bounds]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  mr::device_pool_resource device;
+  using cache_t = kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource>;
+  SECTION("the key_bounds_both preset, lengths and edge cases") {
+    const SparseAttentionConfig cfg = preset_registry{}.get(preset_id::key_bounds_both);
+    REQUIRE(cfg.coarse_summary == coarse_summary::key_bounds);
+    const problem p = make_problem({32, 8, 128}, cfg, {1, 300, 575, 576, 1600, 5000, 33 * 1024 + 17, 100003}, seed);
+    cache_t cache(device, cache_options(p, 100003));
+    check_problem_on_gpu(p, cache);
+  }
+  SECTION("head_dim 64, 128, 256 and GQA 1 and 8; partial blocks of many slices") {
+    // 16-token slices in 1024-token blocks: a partial block of up to 63 far slices.
+    const SparseAttentionConfig cfg = with_key_bounds(with_block_bounds({128, 1024, 16, 10, 8, 1}));
+    for (const int group : {1, 8})
+      for (const int dim : {64, 128, 256}) {
+        INFO("group " << group << ", head_dim " << dim);
+        const problem p = make_problem({2 * group, 2, dim}, cfg, {1, 700, 5001, 20000, 40000}, seed + group * dim);
+        cache_t cache(device, cache_options(p, 40000));
+        check_problem_on_gpu(p, cache);
+      }
+  }
+  SECTION("decode appends widen the stored block bounds") {
+    // The prefill batch rebuilds a block's bounds; single-token appends
+    // widen them in place (one CTA a block): the same selection either way.
+    const SparseAttentionConfig cfg = with_key_bounds(with_block_bounds({128, 256, 16, 6, 8, 1}));
+    problem p = make_problem({4, 2, 128}, cfg, {3000}, seed);
+    const std::int64_t prefix = 2000;
+    cache_t cache(device, cache_options(p, 3000));
+    int slot = -1;
+    REQUIRE(cache.add_sequence(3000, slot) == status::success);
+    const std::size_t row = static_cast<std::size_t>(p.shape.num_kv_heads) * p.shape.head_dim;
+    const test::device_buffer<__nv_bfloat16> k(p.keys[0]), v(p.values[0]);
+    REQUIRE(cache.append_async(0, std::vector<kv::append_segment>{{slot, 0, static_cast<std::int32_t>(prefix)}},
+                               k.ptr, v.ptr, nullptr) == status::success);
+    for (std::int64_t t = prefix; t < 3000; ++t)
+      REQUIRE(cache.append_decode_async(0, std::vector<int>{slot}, k.ptr + t * row, v.ptr + t * row, nullptr) ==
+              status::success);
+    HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto g = run_selection(p, cache, {slot}, nullptr);
+    compare(p, g, 0, /*exact=*/false);
+  }
+  SECTION("one strong key keeps its block, where its block's mean would not decide") {
+    // Block 20 of 98 candidates (ws = 99456): one key at 8 sign(Q_d) in every
+    // dimension; random blocks' bounds reach ~3-4 per dimension.
+    const std::int64_t len = 100003;
+    problem p = make_problem({8, 2, 128}, preset_registry{}.get(preset_id::key_bounds_both), {len}, seed);
+    const int H = p.shape.num_kv_heads, D = p.shape.head_dim, G = p.shape.group_size();
+    const std::int64_t needle = 20 * 1024 + 517;
+    for (int h = 0; h < H; ++h)
+      for (int d = 0; d < D; ++d) {
+        double q = 0;
+        for (int g = 0; g < G; ++g) q += to_double(p.queries[static_cast<std::size_t>((h * G + g) * D + d)]);
+        p.keys[0][static_cast<std::size_t>((needle * H + h) * D + d)] = from_float<__nv_bfloat16>(q < 0 ? -8.0f : 8.0f);
+      }
+    cache_t cache(device, cache_options(p, len));
+    const auto g = check_problem_on_gpu(p, cache);
+    for (int h = 0; h < H; ++h) {
+      const auto b0 = g.blocks.begin() + h * p.cfg.top_k_coarse, b1 = b0 + p.cfg.top_k_coarse;
+      CHECK(std::find(b0, b1, 20) != b1);
+      const auto s0 = g.slices.begin() + h * p.cfg.top_k_fine, s1 = s0 + p.cfg.top_k_fine;
+      CHECK(std::find(s0, s1, static_cast<std::int32_t>(needle / 64)) != s1);
+    }
+  }
+  SECTION("NaN keys rank their block last") {
+    const std::int64_t len = 100003;
+    problem p = make_problem({8, 2, 128}, preset_registry{}.get(preset_id::key_bounds_both), {len}, seed);
+    const int H = p.shape.num_kv_heads, D = p.shape.head_dim;
+    // A whole block and the partial one (ws = 99456: its far slices 1552, 1553).
+    for (const std::int64_t t : {std::int64_t{3 * 1024 + 9}, std::int64_t{97 * 1024 + 40}})
+      for (int h = 0; h < H; ++h)
+        p.keys[0][static_cast<std::size_t>((t * H + h) * D + 7)] =
+            from_float<__nv_bfloat16>(std::numeric_limits<float>::quiet_NaN());
+    cache_t cache(device, cache_options(p, len));
+    const auto g = check_problem_on_gpu(p, cache);
+    for (int h = 0; h < H; ++h) {
+      const auto b0 = g.blocks.begin() + h * p.cfg.top_k_coarse, b1 = b0 + p.cfg.top_k_coarse;
+      CHECK(std::find(b0, b1, 3) == b1);
+      CHECK(std::find(b0, b1, 97) == b1);
+    }
+  }
+}
+
+TEST_CASE("decode selection on block key bounds needs a cache that keeps them", "[gpu][select][bounds]") {
+  HISPARSE_REQUIRE_GPU();
+  mr::device_pool_resource device;
+  const SparseAttentionConfig cfg = preset_registry{}.get(preset_id::key_bounds_both);
+  // Its cache keeps slice bounds, not block bounds.
+  const problem p = make_problem({32, 8, 128}, preset_registry{}.get(preset_id::standard_key_bounds), {5000}, 3);
+  kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, cache_options(p, 5000));
+  select::decode_selection_arguments<__nv_bfloat16> a;
+  int dummy_slot = 0;
+  a.queries = reinterpret_cast<const __nv_bfloat16*>(&dummy_slot);  // never read: the check fails first
+  a.slots = &dummy_slot;
+  a.batch = 1;
+  a.num_q_heads = 32;
+  a.set_cache(cache.ref());
+  REQUIRE(a.keeps(fine_summary::key_bounds));
+  REQUIRE_FALSE(a.keeps(coarse_summary::key_bounds));
+  CHECK(select::can_implement_decode_selection(cfg, a) == status::invalid_argument);
+  CHECK_THAT(last_error(), Catch::Contains("keeps no block key bounds"));
 }
 
 TEST_CASE("wide top-k: the threshold filter up to k = 128, block_topk beyond", "[gpu][select]") {

@@ -86,6 +86,15 @@ TEST_CASE("the memory budget of a small model fits and sums its parts", "[runtim
   REQUIRE(plan_memory(in, m) == status::success);
   CHECK(m.decode_workspace == 2 * workspace_layout<1>::align(b.decode_workspace));
   CHECK(m.total() - m.decode_workspace == b.total() - b.decode_workspace);
+  // Key bounds at both levels: the slices' and the blocks' ranges, 4 bytes
+  // a dimension each, on top of the sums.
+  in.whole_model_decode = false;
+  in.config = preset_registry{}.get(preset_id::key_bounds_both);
+  memory_budget k;
+  REQUIRE(plan_memory(in, k) == status::success);
+  CHECK(k.footprint.slice_bounds_bytes == k.footprint.slice_sum_bytes);
+  CHECK(k.footprint.block_bounds_bytes == k.footprint.block_sum_bytes);
+  CHECK(k.metadata == b.metadata + k.footprint.slice_bounds_bytes + k.footprint.block_bounds_bytes);
 }
 
 TEST_CASE("the memory budget rejects what no cache could hold", "[runtime][budget][errors]") {

@@ -112,12 +112,12 @@ TEST_CASE("select_prefill_async rejects bad input before touching the device", "
           "top_k_coarse");
   rejects([](args& b, SparseAttentionConfig&, outs&) { b.num_q_heads = 12; }, status::invalid_argument,
           "num_q_heads");
-  // A valid config the GPU selection cannot run yet: said, not ignored.
+  // A valid config the GPU prefill selection cannot run: said, not ignored.
   rejects([](args&, SparseAttentionConfig& c, outs&) { c.coarse_summary = coarse_summary::key_bounds; },
           status::unsupported, "coarse_summary key_bounds is not built on the GPU");
 }
 
-TEST_CASE("the decode selection says it cannot run coarse key bounds, and a TopK rule needs a cache that keeps entries",
+TEST_CASE("the decode selection needs block bounds for coarse key bounds, and entries for a TopK rule",
           "[select][errors]") {
   static float sums[1];
   static __nv_bfloat16 q[1];
@@ -138,9 +138,21 @@ TEST_CASE("the decode selection says it cannot run coarse key bounds, and a TopK
   a.coarse_block = cfg.coarse_block;
   a.max_blocks = 256;
   REQUIRE(select::can_implement_decode_selection(cfg, a) == status::success);
-  cfg.coarse_summary = coarse_summary::key_bounds;
+  cfg.coarse_summary = coarse_summary::key_bounds;  // beside slice means: not built
   CHECK(select::can_implement_decode_selection(cfg, a) == status::unsupported);
-  CHECK_THAT(last_error(), Catch::Contains("coarse_summary key_bounds is not built on the GPU"));
+  CHECK_THAT(last_error(), Catch::Contains("beside fine_summary key_bounds only"));
+  cfg.fine_summary = fine_summary::key_bounds;
+  CHECK(select::can_implement_decode_selection(cfg, a) == status::invalid_argument);
+  CHECK_THAT(last_error(), Catch::Contains("keeps no block key bounds"));
+  static std::uint32_t words[1];
+  a.block_bounds = words;  // without the slices' bounds (a partial block's range): still refused
+  CHECK(select::can_implement_decode_selection(cfg, a) == status::invalid_argument);
+  a.fine = fine_summary::key_bounds;
+  a.fine_rows = words;
+  CHECK(select::can_implement_decode_selection(cfg, a) == status::success);
+  a.block_bounds = nullptr;
+  a.fine = fine_summary::mean;
+  a.fine_rows = nullptr;
   cfg = SparseAttentionConfig{};
   cfg.refresh.every = 4;
   CHECK(select::can_implement_decode_selection(cfg, a) == status::invalid_argument);

@@ -146,7 +146,9 @@ enum class fine_summary : std::uint8_t { mean = 0, mean_bf16 = 1, key_bounds = 2
 ///  * key_bounds: fine_summary::key_bounds' upper bound over the block's far
 ///    keys' range in each dimension (the range of its far slices' ranges):
 ///    one strong key is not diluted 1024-fold, as it is in a block mean.
-///    The reference only for now; the GPU selections reject it.
+///    The decode selection reads the cache's block bounds (a cache built
+///    with paged_kv_cache_options::coarse_summary key_bounds), beside
+///    fine_summary key_bounds only; the prefill selection rejects it.
 enum class coarse_summary : std::uint8_t { mean = 0, key_bounds = 1 };
 
 [[nodiscard]] constexpr bool is_valid(coarse_summary s) noexcept {
@@ -332,6 +334,7 @@ enum class preset_id : std::uint8_t {
   short_context = 2, ///< smaller blocks for contexts of 8K-32K tokens
   standard_bf16_summaries = 3,  ///< standard, the decode fine filter on bf16 slice summaries
   standard_key_bounds = 4,  ///< standard, the decode fine filter on slice key bounds
+  key_bounds_both = 5,      ///< standard, both decode filters on key bounds (blocks and slices)
   first_user_id = 128,  ///< ids from here on are free for an engine's own presets
 };
 
@@ -348,7 +351,10 @@ struct preset {
 /// and slice so short prompts still have enough candidates to choose from;
 /// `standard_bf16_summaries` and `standard_key_bounds` are `standard` with
 /// the decode fine filter on another fine_summary (a cache that keeps it
-/// serves them; prefill scores fp32 means under both).
+/// serves them; prefill scores fp32 means under both); `key_bounds_both`
+/// ranks blocks by their key bounds too (decode only: a cache with both
+/// kinds of bounds; single-token needles far from the window are found
+/// where block means dilute them, docs/PERF_NOTES.md).
 inline constexpr preset kBuiltinPresets[] = {
     {preset_id::standard, "standard", SparseAttentionConfig{}},
     {preset_id::high_recall, "high_recall", SparseAttentionConfig{512, 1024, 64, 64, 32, 64}},
@@ -357,6 +363,8 @@ inline constexpr preset kBuiltinPresets[] = {
      SparseAttentionConfig{512, 1024, 64, 32, 16, 64, fine_summary::mean_bf16}},
     {preset_id::standard_key_bounds, "standard_key_bounds",
      SparseAttentionConfig{512, 1024, 64, 32, 16, 64, fine_summary::key_bounds}},
+    {preset_id::key_bounds_both, "key_bounds_both",
+     SparseAttentionConfig{512, 1024, 64, 32, 16, 64, fine_summary::key_bounds, coarse_summary::key_bounds}},
 };
 
 static_assert([] {

@@ -128,5 +128,14 @@ HISPARSE_HOST_DEVICE inline std::uint32_t key_bounds_word(float lo, float hi) {
 }
 HISPARSE_HOST_DEVICE inline float key_bounds_lo(std::uint32_t w) { return bits_float(w << 16); }
 HISPARSE_HOST_DEVICE inline float key_bounds_hi(std::uint32_t w) { return bits_float(w & 0xffff0000u); }
+/// Min and max that keep a NaN once seen (fminf and fmaxf drop it): a NaN
+/// key must mark its dimension's bounds, not vanish.
+HISPARSE_HOST_DEVICE inline float nan_min(float m, float x) { return x < m || x != x ? x : m; }
+HISPARSE_HOST_DEVICE inline float nan_max(float m, float x) { return x > m || x != x ? x : m; }
+/// The union of two key_bounds_word ranges (NaN once either is NaN): exact,
+/// as rounding a bound again leaves it as it is.
+HISPARSE_HOST_DEVICE inline std::uint32_t widened_bounds(std::uint32_t a, std::uint32_t b) {
+  return key_bounds_word(nan_min(key_bounds_lo(a), key_bounds_lo(b)), nan_max(key_bounds_hi(a), key_bounds_hi(b)));
+}
 
 }  // namespace hisparse

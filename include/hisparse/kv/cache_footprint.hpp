@@ -42,6 +42,10 @@ struct paged_kv_cache_options {
   /// rounded to bf16 (half their memory again); `key_bounds` each
   /// dimension's key range (as much memory as the sums).
   hisparse::fine_summary fine_summary = hisparse::fine_summary::mean;
+  /// The coarse summary kept besides the fp32 block sums: `key_bounds`
+  /// keeps each block's key range (as much memory as the block sums; the
+  /// slices' ranges it comes from need fine_summary key_bounds).
+  hisparse::coarse_summary coarse_summary = hisparse::coarse_summary::mean;
   /// Kept slices a TopK cache entry holds (config.hpp, refresh_rule): at
   /// least the top_k_fine of a config that reuses selections; 0 keeps no
   /// entries. One entry per (sequence, layer, KV head), ~0.6 KB at 16 slices
@@ -84,12 +88,14 @@ struct cache_footprint {
   std::size_t pool_chunk_option = 0;  ///< the pool's requested chunk size (at least one page)
   // Metadata, one allocation each.
   std::size_t table_bytes = 0, slice_sum_bytes = 0, slice_bf16_bytes = 0, slice_bounds_bytes = 0,
-              block_sum_bytes = 0, length_bytes = 0, counter_bytes = 0, scratch_bytes = 0, topk_cache_bytes = 0;
+              block_sum_bytes = 0, block_bounds_bytes = 0, length_bytes = 0, counter_bytes = 0, scratch_bytes = 0,
+              topk_cache_bytes = 0;
   std::size_t pages_offset = 0;  ///< where the scratch's page pointers start
 
   /// Every metadata allocation (block sums twice: sums and bases).
   [[nodiscard]] constexpr std::size_t metadata_bytes() const {
     return table_bytes + slice_sum_bytes + slice_bf16_bytes + slice_bounds_bytes + 2 * block_sum_bytes +
+           block_bounds_bytes +
            length_bytes + counter_bytes + scratch_bytes + topk_cache_bytes;
   }
   /// Pages one (sequence, layer) holds at `tokens` tokens.
@@ -132,6 +138,7 @@ struct cache_footprint {
   f.block_sum_bytes = seq_layers * blocks * vec * sizeof(float);
   f.slice_bf16_bytes = o.fine_summary == fine_summary::mean_bf16 ? seq_layers * slices * vec * 2 : 0;
   f.slice_bounds_bytes = o.fine_summary == fine_summary::key_bounds ? seq_layers * slices * vec * 4 : 0;
+  f.block_bounds_bytes = o.coarse_summary == coarse_summary::key_bounds ? seq_layers * blocks * vec * 4 : 0;
   f.length_bytes = seq_layers * sizeof(std::int32_t);
   f.topk_cache_bytes = o.topk_cache_slices > 0 ? seq_layers * static_cast<std::size_t>(o.num_kv_heads) *
                                                      topk_cache_ref::words(o.topk_cache_slices, o.head_dim) *

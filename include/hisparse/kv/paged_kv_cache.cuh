@@ -65,6 +65,7 @@ struct append_batch {
   float* slice_sums;
   __nv_bfloat16* slice_sums_bf16;  ///< null unless the cache keeps them
   std::uint32_t* slice_bounds;     ///< key_bounds_word per dimension; null unless kept
+  std::uint32_t* block_bounds;     ///< the blocks' (from their slices' bounds); null unless kept
   float* block_sums;
   float* block_bases;  ///< per block: ordered sum of its complete slices' sums
   std::int32_t* lengths;
@@ -111,11 +112,10 @@ __device__ __forceinline__ void accumulate(float* acc, const uint4& v) {
   for (int i = 0; i < kPer; ++i) acc[i] += to_float(e[i]);
 }
 
-// Min and max that keep a NaN once seen (fminf and fmaxf drop it): a NaN key
-// must mark its dimension's bounds, not vanish. 16-bit pairs take one
-// instruction each.
-__device__ __forceinline__ float nan_min(float m, float x) { return x < m || x != x ? x : m; }
-__device__ __forceinline__ float nan_max(float m, float x) { return x > m || x != x ? x : m; }
+// core/dtype.hpp's NaN-keeping min and max, and the same for 16-bit pairs
+// (one instruction each).
+using hisparse::nan_max;
+using hisparse::nan_min;
 __device__ __forceinline__ __half2 nan_min(__half2 m, __half2 x) { return __hmin2_nan(m, x); }
 __device__ __forceinline__ __half2 nan_max(__half2 m, __half2 x) { return __hmax2_nan(m, x); }
 __device__ __forceinline__ __nv_bfloat162 nan_min(__nv_bfloat162 m, __nv_bfloat162 x) { return __hmin2_nan(m, x); }
@@ -181,7 +181,8 @@ __device__ __forceinline__ uint2 quantize_fp8_row(uint4& v, int width, float* sc
 /// its slice's new K and V rows for one head into the page (16-byte vectors),
 /// sums the new keys in fp32 into the slice sum (and, when kept, widens the
 /// slice's key bounds by them), and the last CTA of each touched (block, head)
-/// recomputes the block sum from its slices' sums.
+/// recomputes the block sum from its slices' sums (and, when kept, the
+/// block's key range as the union of its old range and the touched slices').
 template <class T>
 __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_constant__ append_batch<T> b) {
   using In = kv_input_t<T>;              // the input (and, for fp8 pages, the dequantized) element
@@ -248,8 +249,13 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_con
   float* block_base = b.block_bases + block_index * D;
   constexpr int kDimsPerThread = kMaxHeadDim / kAppendThreads;
   const bool bounds = b.slice_bounds != nullptr;  // only with summaries (validated)
+  // The block's key range: a running union (ranges only widen), kept only
+  // with the slices' (validated). The block held keys before this batch
+  // unless the segment starts it.
+  std::uint32_t* const block_word = b.block_bounds != nullptr ? b.block_bounds + block_index * D : nullptr;
+  const bool block_held = s.start > block_first * F;
   float old_sum[kDimsPerThread], base[kDimsPerThread];
-  std::uint32_t old_bounds[kDimsPerThread];
+  std::uint32_t old_bounds[kDimsPerThread], old_block_bounds[kDimsPerThread];
   if (b.summaries) {
 #pragma unroll
     for (int i = 0; i < kDimsPerThread; ++i) {
@@ -260,6 +266,9 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_con
       // The empty range (+inf, -inf) is the identity of the combine below.
       old_bounds[i] = bounds && d < D && t0 > slice_begin ? b.slice_bounds[slice_index + d]
                                                           : key_bounds_word(INFINITY, -INFINITY);
+      old_block_bounds[i] = block_word != nullptr && d < D && sole_cta && block_held
+                                ? block_word[d]
+                                : key_bounds_word(INFINITY, -INFINITY);
     }
   }
 
@@ -341,7 +350,9 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_con
         l = nan_min(l, to_float(lo_part[j * D + d]));
         u = nan_max(u, to_float(hi_part[j * D + d]));
       }
-      b.slice_bounds[slice_index + d] = key_bounds_word(l, u);
+      const std::uint32_t w = key_bounds_word(l, u);
+      b.slice_bounds[slice_index + d] = w;
+      if (block_word != nullptr && sole_cta) block_word[d] = widened_bounds(old_block_bounds[i], w);
     }
     if (sole_cta) {
       block_sum[d] = base[i] + sum;
@@ -376,6 +387,14 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_con
     }
     block_base[d] = complete;
     block_sum[d] = total;
+    if (block_word != nullptr) {
+      const std::uint32_t* first_bounds = b.slice_bounds + slice_index -
+                                          std::int64_t{slice - in_block_first} * b.kv_heads * D;
+      std::uint32_t w = block_held ? __ldcg(block_word + d) : key_bounds_word(INFINITY, -INFINITY);
+      for (std::int32_t sl = 0; sl <= in_block_last - in_block_first; ++sl)
+        w = widened_bounds(w, __ldcg(first_bounds + std::int64_t{sl} * b.kv_heads * D + d));
+      block_word[d] = w;
+    }
   }
   if (threadIdx.x == 0) *counter = 0;  // ready for the next batch
 }
@@ -410,6 +429,7 @@ class paged_kv_cache {
     block_bytes_ = f.block_sum_bytes;
     slice_bf16_bytes_ = f.slice_bf16_bytes;
     slice_bounds_bytes_ = f.slice_bounds_bytes;
+    block_bounds_bytes_ = f.block_bounds_bytes;
     length_bytes_ = f.length_bytes;
     counter_bytes_ = f.counter_bytes;
     pages_offset_ = f.pages_offset;
@@ -422,6 +442,8 @@ class paged_kv_cache {
         slice_sums_bf16_ = static_cast<__nv_bfloat16*>(resource_->allocate(slice_bf16_bytes_, stream_));
       if (slice_bounds_bytes_ != 0)
         slice_bounds_ = static_cast<std::uint32_t*>(resource_->allocate(slice_bounds_bytes_, stream_));
+      if (block_bounds_bytes_ != 0)
+        block_bounds_ = static_cast<std::uint32_t*>(resource_->allocate(block_bounds_bytes_, stream_));
       block_sums_ = static_cast<float*>(resource_->allocate(block_bytes_, stream_));
       block_bases_ = static_cast<float*>(resource_->allocate(block_bytes_, stream_));
       lengths_ = static_cast<std::int32_t*>(resource_->allocate(length_bytes_, stream_));
@@ -579,6 +601,7 @@ class paged_kv_cache {
     batch.slice_sums = slice_sums_;
     batch.slice_sums_bf16 = slice_sums_bf16_;  // null without summaries (validated)
     batch.slice_bounds = slice_bounds_;        // likewise
+    batch.block_bounds = block_bounds_;        // likewise
     batch.block_sums = block_sums_;
     batch.block_bases = block_bases_;
     batch.lengths = lengths_;
@@ -699,6 +722,7 @@ class paged_kv_cache {
                   : slice_bounds_ != nullptr  ? static_cast<const void*>(slice_bounds_)
                                               : static_cast<const void*>(slice_sums_);
     r.block_sums = block_sums_;
+    r.block_bounds = block_bounds_;
     r.lengths = lengths_;
     r.layers = opt_.num_layers;
     r.kv_heads = opt_.num_kv_heads;
@@ -740,6 +764,9 @@ class paged_kv_cache {
       bad("topk_cache_slices must be in [0, 2048] (0: no TopK cache)");
     if (o.fine_summary != fine_summary::mean && !o.maintain_summaries)
       bad("fine_summary " + std::string(name_of(o.fine_summary)) + " needs maintain_summaries");
+    if (!is_valid(o.coarse_summary)) bad("coarse_summary must be mean or key_bounds");
+    if (o.coarse_summary == coarse_summary::key_bounds && o.fine_summary != fine_summary::key_bounds)
+      bad("coarse_summary key_bounds needs fine_summary key_bounds (a block's range is its slices' ranges)");
     return o;
   }
 
@@ -906,6 +933,7 @@ class paged_kv_cache {
     give(slice_sums_, slice_bytes_);
     give(slice_sums_bf16_, slice_bf16_bytes_);
     give(slice_bounds_, slice_bounds_bytes_);
+    give(block_bounds_, block_bounds_bytes_);
     give(block_sums_, block_bytes_);
     give(block_bases_, block_bytes_);
     give(lengths_, length_bytes_);
@@ -925,11 +953,13 @@ class paged_kv_cache {
   cudaEvent_t last_launch_ = nullptr;
   std::int32_t max_slices_ = 0, max_blocks_ = 0;
   std::size_t table_bytes_ = 0, slice_bytes_ = 0, slice_bf16_bytes_ = 0, slice_bounds_bytes_ = 0, block_bytes_ = 0,
-              length_bytes_ = 0, counter_bytes_ = 0, scratch_bytes_ = 0, pages_offset_ = 0, topk_bytes_ = 0;
+              block_bounds_bytes_ = 0, length_bytes_ = 0, counter_bytes_ = 0, scratch_bytes_ = 0, pages_offset_ = 0,
+              topk_bytes_ = 0;
   T** page_table_ = nullptr;
   float* slice_sums_ = nullptr;
   __nv_bfloat16* slice_sums_bf16_ = nullptr;
   std::uint32_t* slice_bounds_ = nullptr;
+  std::uint32_t* block_bounds_ = nullptr;
   float* block_sums_ = nullptr;
   float* block_bases_ = nullptr;
   std::int32_t* lengths_ = nullptr;

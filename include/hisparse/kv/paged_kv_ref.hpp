@@ -27,7 +27,8 @@
 //    by dividing by the token count, which the length gives. A cache may also
 //    keep one other fine summary per slice (config.hpp, fine_summary), laid
 //    out like the slice sums: the sums rounded to bf16, or each dimension's
-//    key range as a `key_bounds_word`.
+//    key range as a `key_bounds_word`; and per block its keys' range, laid
+//    out like the block sums (coarse_summary key_bounds).
 
 #include <cuda_bf16.h>
 
@@ -127,10 +128,18 @@ struct summary_ref : summary_layout {
   /// laid out like slice_sums); for `mean` the slice sums themselves.
   const void* fine_rows = nullptr;
   hisparse::fine_summary fine = hisparse::fine_summary::mean;
+  /// Each block's key range (key_bounds_word per dimension, laid out like
+  /// block_sums); null unless the cache keeps it (coarse_summary key_bounds).
+  const std::uint32_t* block_bounds = nullptr;
 
   /// Whether the decode fine filter can score `kind` from this cache.
   [[nodiscard]] HISPARSE_HOST_DEVICE constexpr bool keeps(hisparse::fine_summary kind) const {
     return kind == hisparse::fine_summary::mean || (kind == fine && fine_rows != nullptr);
+  }
+  /// Whether the coarse filter can score `kind` from this cache: block
+  /// bounds, and the slice bounds a partial block's range comes from.
+  [[nodiscard]] HISPARSE_HOST_DEVICE constexpr bool keeps(hisparse::coarse_summary kind) const {
+    return kind == hisparse::coarse_summary::mean || (block_bounds != nullptr && keeps(fine_summary::key_bounds));
   }
   /// The rows of `kind` (keeps(kind)), as their element type.
   template <hisparse::fine_summary K>

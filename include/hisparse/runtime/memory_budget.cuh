@@ -122,6 +122,7 @@ struct memory_budget {
   o.max_context = longest;
   o.chunk_bytes = in.chunk_bytes;
   o.fine_summary = in.config.fine_summary;
+  o.coarse_summary = in.config.coarse_summary;
   memory_budget b;
   b.footprint = kv::footprint_of(o, in.elem_bytes);
   for (const std::int64_t c : in.contexts) b.pages += b.footprint.sequence_pages(c);
@@ -144,8 +145,10 @@ struct memory_budget {
   cache.page_table = table;
   cache.lengths = lengths;
   cache.slice_sums = cache.block_sums = reinterpret_cast<const float*>(placeholder);
-  cache.fine = in.config.fine_summary;
+  cache.fine = o.fine_summary;
   cache.fine_rows = placeholder;
+  if (o.coarse_summary == coarse_summary::key_bounds)
+    cache.block_bounds = reinterpret_cast<const std::uint32_t*>(placeholder);
   const int batch = static_cast<int>(in.contexts.size());
   const auto step = shape_only_decode_arguments(cache, batch, m.num_q_heads);
   if (in.whole_model_decode) {

@@ -10,8 +10,9 @@
 //
 // Presets whose slice and block sizes differ from the cache's cannot run on
 // it (the summaries are built for one F and C), nor presets whose
-// fine_summary the cache does not keep; init skips them and forward says
-// why if one is asked for.
+// fine_summary or coarse_summary the cache does not keep; init skips them
+// and forward says why if one is asked for. Presets that rank blocks by
+// key bounds serve decode only.
 
 #include <cstddef>
 #include <cstdint>
@@ -90,13 +91,14 @@ class sparse_attention_op {
     for (const auto& [id, name] : reg.list()) {
       const SparseAttentionConfig& cfg = reg.get(id);
       if (cfg.fine_slice != in.cache.fine_slice || cfg.coarse_block != in.cache.coarse_block) continue;
-      if (!in.cache.keeps(cfg.fine_summary)) continue;
+      if (!in.cache.keeps(cfg.fine_summary) || !in.cache.keeps(cfg.coarse_summary)) continue;
       hierarchical_decode<T, Tile> op(cfg);
       std::size_t b = 0;  // covers every batch up to max_batch
       HISPARSE_TRY(op.workspace_bytes(probe_arguments(in, in.max_batch), b));
       bytes = std::max(bytes, b);
       ops.emplace(id, op);
-      if (in.max_prefill_tiles > 0) {
+      // The prefill selection ranks blocks by their means only.
+      if (in.max_prefill_tiles > 0 && cfg.coarse_summary == coarse_summary::mean) {
         hierarchical_prefill<T> pre(cfg);
         HISPARSE_TRY(pre.workspace_bytes(prefill_probe_arguments(in, in.max_prefill_tiles), b));
         prefill_bytes = std::max(prefill_bytes, b);

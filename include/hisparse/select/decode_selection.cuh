@@ -6,7 +6,9 @@
 //   1. the GQA group's queries are summed in fp32 (sum_g q_g . x = (sum_g q_g) . x);
 //   2. every candidate block (bC < ws) is scored against its mean key -- the
 //      stored block sum over C for whole blocks, the sum of the far slices'
-//      sums over their token count for the block that holds ws;
+//      sums over their token count for the block that holds ws (or, with
+//      coarse_summary key_bounds, against its key range: the stored block
+//      bounds, or the union of the far slices' bounds);
 //   3. top-k blocks, by the keys of topk_keys.hpp (ties to the lower index);
 //   4. the far slices of the kept blocks are scored against their means;
 //   5. top-k slices, emitted as an ascending int32 list (the attention kernel
@@ -201,7 +203,10 @@ __device__ void write_reused_selection(const decode_params<Q>& p, std::int64_t a
 /// rank more than kFilterMaxCandidates candidates or keep more than
 /// kFilterMaxK (block_topk); the narrow one ranks by the filter alone.
 /// Fine: the fine summary the fine stage scores (config.fine_summary).
-template <class Q, int D, int S, bool Wide, fine_summary Fine>
+/// CoarseBounds: the coarse stage scores the blocks' key bounds
+/// (coarse_summary key_bounds; built with Fine = key_bounds only, whose
+/// slice bounds make the partial block's range), else their means.
+template <class Q, int D, int S, bool Wide, fine_summary Fine, bool CoarseBounds = false>
 __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_selection_kernel(const __grid_constant__ decode_params<Q> p) {
   using SumT = typename kv::fine_summary_traits<Fine>::element;
   using cluster = cluster_ops<S>;
@@ -278,20 +283,37 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   const std::int64_t slice_offset = in.slice_row(seq_layer, h);
   const float* slice_base = in.slice_sums + slice_offset;
   const float* block_base = in.block_sums + in.block_row(seq_layer, h);
+  // With coarse key bounds the block rows are their bounds (4-byte words
+  // like the sums, so the same batches and prefetches) and the partial
+  // block's are its far slices' bounds, combined where they are scored.
+  const std::uint32_t* bounds_base = CoarseBounds ? in.block_bounds + in.block_row(seq_layer, h) : nullptr;
+  const std::uint32_t* slice_bounds_base =
+      CoarseBounds ? static_cast<const std::uint32_t*>(in.fine_rows) + slice_offset : nullptr;
   // Step 4's candidate blocks: whole blocks use their stored sum; the block
   // holding ws (if it is partial) is scored by the sum of its far slices'
   // sums, on the warp next in line after the whole blocks.
   const std::int32_t whole = std::int64_t{blocks} * C > ws ? blocks - 1 : blocks;
   auto block_row = [&](int r) { return block_base + r * head_stride; };
+  auto block_bounds_row = [&](int r) { return bounds_base + r * head_stride; };
   // This warp's first batch of block sums heads for L2 now, and the partial
   // block's far slices for this CTA's shared memory, so their trips from
   // HBM overlap the cluster barrier.
-  row_batch<D, S>::prefetch(cluster_warp<S>(), whole,
-                            [&](int u) { return block_row(cluster_warp<S>() + u * row_batch<D, S>::kStride); });
+  row_batch<D, S>::prefetch(cluster_warp<S>(), whole, [&](int u) {
+    const int r = cluster_warp<S>() + u * row_batch<D, S>::kStride;
+    if constexpr (CoarseBounds) return reinterpret_cast<const float*>(block_bounds_row(r));
+    return block_row(r);
+  });
   const bool partial_warp = whole < blocks && cluster_warp<S>() == whole % (S * kSelectWarps);
   const int partial_rows = far_slices - whole * spb;  // >= 1 where whole < blocks
   const float* partial_first = slice_base + std::int64_t{whole} * spb * head_stride;
-  if (partial_warp) stage_summed_row<D>(staged, partial_first, head_stride, partial_rows);
+  const std::uint32_t* partial_bounds =
+      CoarseBounds ? slice_bounds_base + std::int64_t{whole} * spb * head_stride : nullptr;
+  if (partial_warp) {
+    if constexpr (CoarseBounds)
+      prefetch_rows<D>(partial_bounds, head_stride, partial_rows);
+    else
+      stage_summed_row<D>(staged, partial_first, head_stride, partial_rows);
+  }
   // Blocks ranked by counting (count_top_k): the mask their bits go to
   // starts empty.
   const bool count_blocks = blocks > p.top_k_coarse && blocks <= kSelectThreads * S;
@@ -303,11 +325,19 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
 
   // Step 4: score the candidate blocks.
   auto store_block = [&](int r, float s) { broadcast<S>(coarse_scores, r, s); };
-  score_rows<D, S>(
-      whole, qsum, [](int r) { return r; }, block_row, 1.0f / static_cast<float>(C), store_block, [](int) {});
-  if (partial_warp)
-    score_summed_row<D>(staged, partial_first, head_stride, partial_rows, qsum,
-                        1.0f / static_cast<float>(ws - whole * C), [&](float s) { store_block(whole, s); });
+  if constexpr (CoarseBounds) {
+    score_rows<D, S, std::uint32_t>(
+        whole, qsum, [](int r) { return r; }, block_bounds_row, 1.0f, store_block, [](int) {});
+    if (partial_warp)
+      score_bounds_union<D>(partial_bounds, head_stride, partial_rows, qsum,
+                            [&](float s) { store_block(whole, s); });
+  } else {
+    score_rows<D, S>(
+        whole, qsum, [](int r) { return r; }, block_row, 1.0f / static_cast<float>(C), store_block, [](int) {});
+    if (partial_warp)
+      score_summed_row<D>(staged, partial_first, head_stride, partial_rows, qsum,
+                          1.0f / static_cast<float>(ws - whole * C), [&](float s) { store_block(whole, s); });
+  }
   cluster::sync();
   // Every CTA has read the TopK entry (before this barrier): the writer
   // may overwrite it with this selection.
@@ -517,18 +547,25 @@ status launch_selection_kernel(const decode_params<Q>& p, int kv_heads, int batc
 }
 
 template <class Q, int D, int S>
-status launch_selection(const decode_params<Q>& p, bool wide, fine_summary fine, int kv_heads, int batch,
-                        cudaStream_t stream) {
+status launch_selection(const decode_params<Q>& p, bool wide, fine_summary fine, bool coarse_bounds, int kv_heads,
+                        int batch, cudaStream_t stream) {
+  auto launch = [&](auto k, auto bounds) {
+    return wide ? launch_selection_kernel<Q, D, S, &decode_selection_kernel<Q, D, S, true, k(), bounds()>>(
+                      p, kv_heads, batch, stream)
+                : launch_selection_kernel<Q, D, S, &decode_selection_kernel<Q, D, S, false, k(), bounds()>>(
+                      p, kv_heads, batch, stream);
+  };
   return dispatch_fine_summary(fine, [&](auto k) {
-    return wide ? launch_selection_kernel<Q, D, S, &decode_selection_kernel<Q, D, S, true, k()>>(p, kv_heads, batch, stream)
-                : launch_selection_kernel<Q, D, S, &decode_selection_kernel<Q, D, S, false, k()>>(p, kv_heads, batch, stream);
+    if constexpr (k() == fine_summary::key_bounds)
+      if (coarse_bounds) return launch(k, std::true_type{});
+    return launch(k, std::false_type{});
   });
 }
 
 template <class Q, int D>
-status launch_selection(const decode_params<Q>& p, bool wide, fine_summary fine, int kv_heads, int batch,
-                        cudaStream_t stream) {
-  if (!p.in.use_clusters) return launch_selection<Q, D, 1>(p, wide, fine, kv_heads, batch, stream);
+status launch_selection(const decode_params<Q>& p, bool wide, fine_summary fine, bool coarse_bounds, int kv_heads,
+                        int batch, cudaStream_t stream) {
+  if (!p.in.use_clusters) return launch_selection<Q, D, 1>(p, wide, fine, coarse_bounds, kv_heads, batch, stream);
   // Clusters where the loaded build is sm_90 or newer (a build without sm_90
   // code runs the single-CTA kernel on an H100). The narrow and wide kernels
   // are built for the same architectures.
@@ -537,8 +574,8 @@ status launch_selection(const decode_params<Q>& p, bool wide, fine_summary fine,
     void (*kernel)(decode_params<Q>) = &decode_selection_kernel<Q, D, kSelectCluster, false, fine_summary::mean>;
     return hisparse::detail::kernel_built_for_sm90(reinterpret_cast<const void*>(kernel));
   });
-  return clusters ? launch_selection<Q, D, kSelectCluster>(p, wide, fine, kv_heads, batch, stream)
-                  : launch_selection<Q, D, 1>(p, wide, fine, kv_heads, batch, stream);
+  return clusters ? launch_selection<Q, D, kSelectCluster>(p, wide, fine, coarse_bounds, kv_heads, batch, stream)
+                  : launch_selection<Q, D, 1>(p, wide, fine, coarse_bounds, kv_heads, batch, stream);
 }
 
 /// The checks decode and prefill selection share: the layer, and that the
@@ -598,8 +635,13 @@ template <class Q>
   using launch = typename decode_selection_arguments<Q>::dependents_launch;
   if (static_cast<unsigned>(a.dependents) > static_cast<unsigned>(launch::after_fine_scores))
     return bad("dependents is not one of at_start, after_blocks, after_fine_scores");
-  if (cfg.coarse_summary != coarse_summary::mean)
-    return fail(status::unsupported, "decode selection: coarse_summary key_bounds is not built on the GPU yet");
+  if (cfg.coarse_summary == coarse_summary::key_bounds && cfg.fine_summary != fine_summary::key_bounds)
+    return fail(status::unsupported, "decode selection: coarse_summary key_bounds is built beside fine_summary "
+                                     "key_bounds only (the GPU ranks blocks by bounds where it ranks slices by them)");
+  if (!a.keeps(cfg.coarse_summary))
+    return bad("the config's coarse_summary is key_bounds and the cache keeps no block key bounds with slice key "
+               "bounds beside them (build it with paged_kv_cache_options::coarse_summary and fine_summary "
+               "key_bounds)");
   if (!cfg.refresh.every_step() && (a.topk.entries == nullptr || a.topk.slices < cfg.top_k_fine))
     return bad("the config's refresh rule (every " + std::to_string(cfg.refresh.every) + ", min_cosine " +
                std::to_string(cfg.refresh.min_cosine) + ") reuses TopK entries and the cache keeps " +
@@ -646,7 +688,8 @@ template <class Q>
                                    !cfg.refresh.every_step(),
                                    detail::selection_fingerprint(cfg)};
   return dispatch_head_dim(a.head_dim, [&](auto d) {
-    return detail::launch_selection<Q, d()>(p, wide, cfg.fine_summary, a.kv_heads, a.batch, stream);
+    return detail::launch_selection<Q, d()>(p, wide, cfg.fine_summary, cfg.coarse_summary == coarse_summary::key_bounds,
+                                            a.kv_heads, a.batch, stream);
   });
 }
 

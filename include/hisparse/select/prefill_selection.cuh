@@ -735,7 +735,8 @@ template <class Q>
   if (a.num_segments < 1 || a.num_tiles < 1) return bad("no segments or no tiles");
   if (a.num_tiles > 65535) return fail(status::unsupported, "prefill selection: at most 65535 tiles per launch");
   if (cfg.coarse_summary != coarse_summary::mean)
-    return fail(status::unsupported, "prefill selection: coarse_summary key_bounds is not built on the GPU yet");
+    return fail(status::unsupported, "prefill selection: coarse_summary key_bounds is not built on the GPU for prefill (the "
+                                         "decode selection has it)");
   if (a.queries == nullptr || a.segments == nullptr || a.slice_sums == nullptr || a.block_sums == nullptr)
     return bad("queries, segments and the cache's summaries must not be null");
   if (out.kept_slices == nullptr || out.num_slices == nullptr || out.window_begin == nullptr)

@@ -9,9 +9,11 @@
 
 #include <cuda_bf16.h>
 
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
+#include "hisparse/core/dtype.hpp"
 #include "hisparse/core/ptx.cuh"
 #include "hisparse/select/selection_cta.cuh"
 #include "hisparse/select/topk.cuh"
@@ -339,6 +341,57 @@ __device__ void score_summed_row(const float* staged, const float* rows, std::in
   load_q(qsum, q);
   const float s = warp_sum(lane_dot(q, v));
   if (lane == 0) store(s * scale);
+}
+
+/// Sends the n rows of D 4-byte words at rows + j * stride towards L2 (the
+/// calling warp's lanes split their 128-byte lines).
+template <int D>
+__device__ __forceinline__ void prefetch_rows(const std::uint32_t* rows, std::int64_t stride, int n) {
+  constexpr int kLines = D * 4 / 128;
+  for (int l = static_cast<int>(threadIdx.x & 31); l < n * kLines; l += 32)
+    ptx::prefetch_l2(rows + (l / kLines) * stride + l % kLines * 32);
+}
+
+/// Scores, on the calling warp, the key range that is the union of the n
+/// key_bounds rows at rows + j * stride (the partial block's far slices,
+/// coarse_summary key_bounds), through a whole row's arithmetic
+/// (lane_bounds, then the warp sum): a range scores the same whether it
+/// was stored or combined here. `store(score)` runs in lane 0.
+template <int D, class Store>
+__device__ void score_bounds_union(const std::uint32_t* rows, std::int64_t stride, int n, const float* qsum,
+                                   Store store) {
+  constexpr int kPer = D / 32;
+  constexpr int kRowsInFlight = 32 / kPer;  // 128 bytes of loads in flight per lane
+  const int lane = threadIdx.x & 31;
+  // The union of decoded bounds, encoded once: the same words as widening
+  // word by word (bf16 values encode exactly), in a few instructions a row.
+  float lo[kPer], hi[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) lo[i] = INFINITY, hi[i] = -INFINITY;
+#pragma unroll 1
+  for (int j0 = 0; j0 < n; j0 += kRowsInFlight) {
+    float x[kRowsInFlight][kPer];
+#pragma unroll
+    for (int j = 0; j < kRowsInFlight; ++j)
+      if (j0 + j < n) load_lane<kPer>(rows + (j0 + j) * stride + lane * kPer, x[j]);
+#pragma unroll
+    for (int j = 0; j < kRowsInFlight; ++j)
+      if (j0 + j < n)
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) {
+          lo[i] = nan_min(lo[i], key_bounds_lo(__float_as_uint(x[j][i])));
+          hi[i] = nan_max(hi[i], key_bounds_hi(__float_as_uint(x[j][i])));
+        }
+  }
+  float w[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) w[i] = __uint_as_float(key_bounds_word(lo[i], hi[i]));
+  float q[kPer];
+  unsigned sel[kPer];
+  load_q(qsum, q);
+  bounds_selectors(q, sel);
+  const float s = warp_sum(lane_bounds(q, sel, w));
+  if (lane == 0) store(s);
 }
 
 /// Stores a score into the same slot of every CTA of the cluster.
