@@ -509,6 +509,10 @@ SparseAttentionConfig with_key_bounds(SparseAttentionConfig c) {
   c.fine_summary = fine_summary::key_bounds;
   return c;
 }
+SparseAttentionConfig with_block_bounds(SparseAttentionConfig c) {
+  c.coarse_summary = coarse_summary::key_bounds;
+  return c;
+}
 }  // namespace
 
 TEST_CASE("decode selection on slice key bounds matches the reference", "[gpu][select][bounds]") {
@@ -618,13 +622,6 @@ TEST_CASE("decode selection on slice key bounds needs a cache that keeps them", 
   CHECK(select::can_implement_decode_selection(cfg, a) == status::invalid_argument);
   CHECK_THAT(last_error(), Catch::Contains("paged_kv_cache_options::fine_summary is mean"));
 }
-
-namespace {
-SparseAttentionConfig with_block_bounds(SparseAttentionConfig c) {
-  c.coarse_summary = coarse_summary::key_bounds;
-  return c;
-}
-}  // namespace
 
 TEST_CASE("decode selection on block key bounds matches the reference", "[gpu][select][bounds]") {
   HISPARSE_REQUIRE_GPU();
