@@ -1037,7 +1037,21 @@ TEST_CASE("offloaded slices: the step reads them from pinned host memory and giv
     for (std::int32_t s = 0; s < complete; ++s)
       if (take[static_cast<std::size_t>(s)]) moved[b].push_back(s);
     moved[b].push_back(moved[b].front());  // listed twice: moved once
-    REQUIRE(cache.offload_async(slots[b], 0, moved[b], stream) == status::success);
+  }
+  // Every sequence in one batched call; first two bad batches that move nothing.
+  std::vector<kv::slice_list> lists;
+  for (int b = 0; b < B; ++b) lists.push_back({slots[b], 0, moved[b]});
+  auto twice = lists;
+  twice.push_back(lists[1]);
+  REQUIRE(cache.offload_async(twice, stream) == status::invalid_argument);
+  const std::vector<std::int32_t> partial{static_cast<std::int32_t>(p.lengths[0] / 64)};
+  auto bad = lists;
+  bad[0].slices = partial;
+  REQUIRE(cache.offload_async(bad, stream) == status::invalid_argument);
+  REQUIRE(cache.host_pages_used() == 0);
+  REQUIRE(cache.pool().pages_used() == device_pages);
+  REQUIRE(cache.offload_async(lists, stream) == status::success);
+  for (int b = 0; b < B; ++b) {
     moved[b].pop_back();
     total += static_cast<std::int64_t>(moved[b].size());
   }
@@ -1048,7 +1062,10 @@ TEST_CASE("offloaded slices: the step reads them from pinned host memory and giv
   for (std::int32_t s = 0; s < static_cast<std::int32_t>(p.lengths[3] / 64); ++s) {
     const bool listed = std::binary_search(moved[3].begin(), moved[3].end(), s);
     REQUIRE(cache.residency(slots[3], 0, s) == (listed ? kv::page_residency::host : kv::page_residency::device));
+    REQUIRE(cache.residency_of(slots[3], 0).on_host(s) == listed);
   }
+  for (int b = 0; b < B; ++b)
+    REQUIRE(cache.residency_of(slots[b], 0).host_slices() == static_cast<std::int32_t>(moved[b].size()));
 
   auto same = [](const step_output& x, const step_output& y) {
     REQUIRE(x.out == y.out);
@@ -1081,6 +1098,9 @@ TEST_CASE("offloaded slices: the step reads them from pinned host memory and giv
     small.host_chunk_bytes = cache.pool().page_bytes();
     kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> tight(device, small);
     const auto tight_slots = test::fill(p, tight);
+    REQUIRE(tight.reserve_host_pages(4) == status::out_of_memory);
+    REQUIRE(tight.reserve_host_pages(3) == status::success);  // pinned, nothing moved
+    REQUIRE(tight.host_pages_used() == 0);
     REQUIRE(tight.offload_async(tight_slots[1], 0, std::vector<std::int32_t>{0, 1, 2, 3}) == status::out_of_memory);
     REQUIRE(tight.host_pages_used() == 0);
     REQUIRE(tight.residency(tight_slots[1], 0, 0) == kv::page_residency::device);
@@ -1099,6 +1119,8 @@ TEST_CASE("offloaded slices: the step reads them from pinned host memory and giv
     for (std::size_t i = 0; i < moved[b].size(); i += 2) back.push_back(moved[b][i]);
     REQUIRE(cache.fetch_async(slots[b], 0, back, stream) == status::success);
     total -= static_cast<std::int64_t>(back.size());
+    REQUIRE(cache.residency_of(slots[b], 0).host_slices() ==
+            static_cast<std::int32_t>(moved[b].size() - back.size()));
   }
   REQUIRE(cache.host_pages_used() == total);
   same(run_step(p, cache, slots), resident);

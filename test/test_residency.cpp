@@ -7,7 +7,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
 #include <set>
+#include <span>
+#include <utility>
 #include <vector>
 
 #include "hisparse/runtime/residency.hpp"
@@ -17,35 +20,55 @@ using namespace hisparse;
 
 namespace {
 
-/// The part of paged_kv_cache that rebalance uses: one layer's residency.
+/// The part of paged_kv_cache that rebalance uses: the residency of each
+/// (slot, layer)'s complete slices, moved by batched offloads and fetches.
 struct fake_cache {
   enum class where { device, host };
   struct options_t {
     int fine_slice = 64;
   } opt;
-  std::int64_t tokens = 0;
-  std::vector<where> at;  // per complete slice
+  struct slice_list {
+    int slot = 0;
+    int layer = 0;
+    std::span<const std::int32_t> slices;
+  };
+  struct view {
+    const std::vector<where>* at;
+    bool on_host(std::int32_t s) const { return (*at)[static_cast<std::size_t>(s)] == where::host; }
+    std::int64_t host_slices() const { return std::count(at->begin(), at->end(), where::host); }
+  };
+  std::int64_t tokens = 0;                           // every pair's length
+  std::map<std::pair<int, int>, std::vector<where>> of;  // per (slot, layer): per complete slice
+  std::vector<where>& at = of[{0, 0}];
   int offload_calls = 0, fetch_calls = 0;
 
   const options_t& options() const { return opt; }
   std::int64_t length(int, int) const { return tokens; }
-  where residency(int, int, std::int32_t s) const { return at[static_cast<std::size_t>(s)]; }
-  status move(std::span<const std::int32_t> slices, where to) {
-    for (const std::int32_t s : slices) {
-      REQUIRE(at[static_cast<std::size_t>(s)] != to);  // plans move only what is elsewhere
-      at[static_cast<std::size_t>(s)] = to;
+  view residency_of(int slot, int layer) const { return {&of.at({slot, layer})}; }
+  status move(std::span<const slice_list> lists, where to) {
+    std::set<std::pair<int, int>> seen;
+    for (const auto& l : lists) {
+      REQUIRE(seen.insert({l.slot, l.layer}).second);  // each pair once a batch
+      for (const std::int32_t s : l.slices) {
+        auto& w = of.at({l.slot, l.layer})[static_cast<std::size_t>(s)];
+        REQUIRE(w != to);  // plans move only what is elsewhere
+        w = to;
+      }
     }
     return status::success;
   }
-  status offload_async(int, int, std::span<const std::int32_t> slices, int) {
+  status offload_async(std::span<const slice_list> lists, int) {
     ++offload_calls;
-    return move(slices, where::host);
+    return move(lists, where::host);
   }
-  status fetch_async(int, int, std::span<const std::int32_t> slices, int) {
+  status fetch_async(std::span<const slice_list> lists, int) {
     ++fetch_calls;
-    return move(slices, where::device);
+    return move(lists, where::device);
   }
-  std::int64_t on_device() const { return std::count(at.begin(), at.end(), where::device); }
+  std::int64_t on_device(std::pair<int, int> pair = {0, 0}) const {
+    const auto& v = of.at(pair);
+    return std::count(v.begin(), v.end(), where::device);
+  }
 };
 
 }  // namespace
@@ -161,4 +184,41 @@ TEST_CASE("residency policy: bad options and out-of-order steps are refused, for
   policy.forget(2);
   REQUIRE(policy.plan(2, 0, 10, host).fetch.empty());
   REQUIRE(policy.plan(2, 0, 10, host).offload.size() == 9);  // budget 0: every device slice but none recent
+}
+
+TEST_CASE("rebalance over many (slot, layer) pairs moves what each pair's plan says, in one batch each way",
+          "[residency]") {
+  constexpr std::int32_t kComplete = 600;
+  workload::splitmix64 rng(23);
+  fake_cache batched, single;
+  batched.tokens = single.tokens = std::int64_t{kComplete} * 64;
+  std::vector<std::pair<int, int>> pairs;
+  for (int slot = 0; slot < 3; ++slot)
+    for (int layer = 0; layer < 4; ++layer) pairs.emplace_back(slot, layer);
+  for (const auto& pr : pairs) {
+    std::vector<fake_cache::where> w(kComplete);
+    for (auto& x : w) x = rng.below(4) == 0 ? fake_cache::where::host : fake_cache::where::device;
+    batched.of[pr] = single.of[pr] = w;
+  }
+  residency_policy policy({150, 9, 1});
+  for (int step = 0; step < 6; ++step) {
+    for (const auto& [slot, layer] : pairs) {
+      std::vector<std::int32_t> kept;
+      for (int i = 0; i < 40; ++i) kept.push_back(static_cast<std::int32_t>(rng.below(kComplete)));
+      REQUIRE(policy.observe(slot, layer, step, kept) == status::success);
+    }
+    std::vector<residency_moves> moved;
+    const int calls = batched.offload_calls + batched.fetch_calls;
+    REQUIRE(rebalance(policy, batched, std::span<const std::pair<int, int>>(pairs), 0, &moved) == status::success);
+    REQUIRE(batched.offload_calls + batched.fetch_calls - calls <= 2);
+    REQUIRE(moved.size() == pairs.size());
+    for (std::size_t i = 0; i < pairs.size(); ++i) {
+      residency_moves one;
+      REQUIRE(rebalance(policy, single, pairs[i].first, pairs[i].second, 0, &one) == status::success);
+      REQUIRE(one.offload == moved[i].offload);
+      REQUIRE(one.fetch == moved[i].fetch);
+      REQUIRE(batched.of.at(pairs[i]) == single.of.at(pairs[i]));
+      REQUIRE(batched.on_device(pairs[i]) <= 150);
+    }
+  }
 }

@@ -48,6 +48,14 @@ struct append_segment {
   std::int32_t count = 0;
 };
 
+/// Complete slices of one (sequence, layer), for the batched
+/// offload_async / fetch_async that move many pairs in one call.
+struct slice_list {
+  int slot = 0;
+  int layer = 0;
+  std::span<const std::int32_t> slices;
+};
+
 namespace detail {
 
 inline constexpr int kAppendThreads = tuning::kAppendThreads;
@@ -418,6 +426,7 @@ class paged_kv_cache {
   using value_type = T;
   /// What appends take: T, or bf16 for fp8 pages (quantized by the append).
   using input_type = kv_input_t<T>;
+  using slice_list = kv::slice_list;
 
   paged_kv_cache(Resource& resource, const paged_kv_cache_options& o, cudaStream_t stream = nullptr)
       : resource_(&resource), opt_(validated(o)), pool_(resource, pool_options(opt_)), stream_(stream) {
@@ -484,6 +493,7 @@ class paged_kv_cache {
         slots_[i].lengths.assign(static_cast<std::size_t>(opt_.num_layers), 0);
         slots_[i].pages.assign(static_cast<std::size_t>(opt_.num_layers), {});
         slots_[i].host.assign(static_cast<std::size_t>(opt_.num_layers), {});
+        slots_[i].host_slices.assign(static_cast<std::size_t>(opt_.num_layers), 0);
         slot = static_cast<int>(i);
         return status::success;
       }
@@ -510,6 +520,7 @@ class paged_kv_cache {
       if (host_pool_) HISPARSE_TRY(host_pool_->deallocate(valid(layer_pages)));
       layer_pages.clear();
     }
+    std::fill(s.host_slices.begin(), s.host_slices.end(), 0);
     HISPARSE_CUDA_TRY(cudaMemsetAsync(lengths_ + std::int64_t{slot} * opt_.num_layers, 0,
                                       sizeof(std::int32_t) * static_cast<std::size_t>(opt_.num_layers), stream));
     // The slot's TopK entries empty too: the next sequence in it selects
@@ -677,14 +688,61 @@ class paged_kv_cache {
   /// slice or a full host tier. Stream-ordered like append_async.
   [[nodiscard]] status offload_async(int slot, int layer, std::span<const std::int32_t> slices,
                                      cudaStream_t stream = nullptr) {
-    return move_slices(slot, layer, slices, page_residency::host, stream);
+    const slice_list one{slot, layer, slices};
+    return move_slices({&one, 1}, page_residency::host, stream);
   }
 
   /// Brings offloaded slices of (slot, layer) back to device pages (slices
   /// already on the device are skipped); the reverse of offload_async.
   [[nodiscard]] status fetch_async(int slot, int layer, std::span<const std::int32_t> slices,
                                    cudaStream_t stream = nullptr) {
-    return move_slices(slot, layer, slices, page_residency::device, stream);
+    const slice_list one{slot, layer, slices};
+    return move_slices({&one, 1}, page_residency::device, stream);
+  }
+
+  /// The same for many (sequence, layer) pairs in one call: every list is
+  /// checked before anything moves (all or nothing; a pair listed twice is
+  /// invalid_argument), and the copies go out as one batch where the CUDA
+  /// runtime has cudaMemcpyBatchAsync and `stream` is not the legacy default
+  /// stream, so a step's policy costs a few API calls, not a few per pair.
+  [[nodiscard]] status offload_async(std::span<const slice_list> lists, cudaStream_t stream = nullptr) {
+    return move_slices(lists, page_residency::host, stream);
+  }
+  [[nodiscard]] status fetch_async(std::span<const slice_list> lists, cudaStream_t stream = nullptr) {
+    return move_slices(lists, page_residency::device, stream);
+  }
+
+  /// Opens the host tier and grows it to hold `pages` pages, so the pinning
+  /// (the slow part of a first offload) happens when the engine warms up,
+  /// not inside a prefill. out_of_memory past max_host_bytes.
+  [[nodiscard]] status reserve_host_pages(std::int64_t pages) {
+    if (!host_pool_) HISPARSE_TRY(open_host_tier());
+    return host_pool_->reserve(pages);
+  }
+
+  /// Residency of every slice of (slot, layer) at once, for policies that
+  /// scan them all: `on_host(s)` for s in [0, size()), and how many are on
+  /// the host. A view of the cache's own table: valid until the next
+  /// append, move or free.
+  class residency_view {
+   public:
+    residency_view(std::span<const page_id> device_pages, std::int32_t host_slices)
+        : pages_(device_pages), host_slices_(host_slices) {}
+    [[nodiscard]] std::int32_t size() const noexcept { return static_cast<std::int32_t>(pages_.size()); }
+    [[nodiscard]] bool on_host(std::int32_t slice) const noexcept {
+      return pages_[static_cast<std::size_t>(slice)] == kInvalidPage;
+    }
+    [[nodiscard]] std::int32_t host_slices() const noexcept { return host_slices_; }
+
+   private:
+    std::span<const page_id> pages_;
+    std::int32_t host_slices_;
+  };
+  [[nodiscard]] residency_view residency_of(int slot, int layer) const {
+    if (check_slot(slot, "residency_of") != status::success || layer < 0 || layer >= opt_.num_layers)
+      throw error(status::invalid_argument, "residency_of: unknown sequence or layer");
+    const auto& s = slots_[static_cast<std::size_t>(slot)];
+    return residency_view(s.pages[static_cast<std::size_t>(layer)], s.host_slices[static_cast<std::size_t>(layer)]);
   }
 
   /// Where slice `slice` of (slot, layer) lives; throws invalid_argument for
@@ -700,8 +758,9 @@ class paged_kv_cache {
     return dev[static_cast<std::size_t>(slice)] == kInvalidPage ? page_residency::host : page_residency::device;
   }
 
-  /// Pages the host tier holds now (0 without one).
+  /// Pages the host tier holds now (0 without one), and has pinned.
   [[nodiscard]] std::int64_t host_pages_used() const noexcept { return host_pool_ ? host_pool_->pages_used() : 0; }
+  [[nodiscard]] std::int64_t host_pages_total() const noexcept { return host_pool_ ? host_pool_->pages_total() : 0; }
 
   [[nodiscard]] std::int64_t length(int slot, int layer) const {
     if (check_slot(slot, "length") != status::success || layer < 0 || layer >= opt_.num_layers)
@@ -746,6 +805,7 @@ class paged_kv_cache {
     std::vector<std::int64_t> lengths;        // [layer]
     std::vector<std::vector<page_id>> pages;  // [layer][slice]: device page, kInvalidPage while on the host
     std::vector<std::vector<page_id>> host;   // [layer][slice]: host page, kInvalidPage (or absent) on the device
+    std::vector<std::int32_t> host_slices;    // [layer]: how many slices are on the host
   };
 
   static paged_kv_cache_options validated(const paged_kv_cache_options& o) {
@@ -786,89 +846,116 @@ class paged_kv_cache {
     return status::success;
   }
 
-  [[nodiscard]] status move_slices(int slot, int layer, std::span<const std::int32_t> slices, page_residency to,
-                                   cudaStream_t stream) {
+  [[nodiscard]] status move_slices(std::span<const slice_list> lists, page_residency to, cudaStream_t stream) {
     const bool out = to == page_residency::host;
     const std::string what = out ? "offload" : "fetch";
-    HISPARSE_TRY(check_slot(slot, what.c_str()));
-    if (layer < 0 || layer >= opt_.num_layers)
-      return fail(status::invalid_argument, what + ": layer " + std::to_string(layer) + " out of range [0, " +
-                                                std::to_string(opt_.num_layers) + ")");
-    auto& s = slots_[static_cast<std::size_t>(slot)];
-    auto& dev = s.pages[static_cast<std::size_t>(layer)];
-    auto& host = s.host[static_cast<std::size_t>(layer)];
-    host.resize(dev.size(), kInvalidPage);
-    const auto complete = static_cast<std::int32_t>(s.lengths[static_cast<std::size_t>(layer)] / opt_.fine_slice);
-    std::vector<std::int32_t> moving;
-    std::vector<bool> taken(dev.size(), false);
-    for (const std::int32_t slice : slices) {
-      if (slice < 0 || slice >= complete)
-        return fail(status::invalid_argument, what + ": slice " + std::to_string(slice) + " of sequence " +
-                                                  std::to_string(slot) + " layer " + std::to_string(layer) +
-                                                  " is not complete (complete slices: [0, " +
-                                                  std::to_string(complete) + "))");
-      const auto i = static_cast<std::size_t>(slice);
-      if ((host[i] != kInvalidPage) == out || taken[i]) continue;  // already there, or listed twice
-      taken[i] = true;
-      moving.push_back(slice);
+    // Check every list first: a bad one moves nothing.
+    std::vector<std::pair<int, int>> pairs;
+    pairs.reserve(lists.size());
+    for (const slice_list& l : lists) {
+      HISPARSE_TRY(check_slot(l.slot, what.c_str()));
+      if (l.layer < 0 || l.layer >= opt_.num_layers)
+        return fail(status::invalid_argument, what + ": layer " + std::to_string(l.layer) + " out of range [0, " +
+                                                  std::to_string(opt_.num_layers) + ")");
+      pairs.emplace_back(l.slot, l.layer);
+    }
+    std::sort(pairs.begin(), pairs.end());
+    if (std::adjacent_find(pairs.begin(), pairs.end()) != pairs.end())
+      return fail(status::invalid_argument, what + ": a (sequence, layer) pair is listed twice in one batch");
+    struct pick {
+      std::size_t list;
+      std::int32_t slice;
+    };
+    std::vector<pick> moving;
+    std::vector<bool> taken;
+    for (std::size_t li = 0; li < lists.size(); ++li) {
+      const slice_list& l = lists[li];
+      auto& s = slots_[static_cast<std::size_t>(l.slot)];
+      const auto& dev = s.pages[static_cast<std::size_t>(l.layer)];
+      const auto& host = s.host[static_cast<std::size_t>(l.layer)];
+      const auto complete = static_cast<std::int32_t>(s.lengths[static_cast<std::size_t>(l.layer)] / opt_.fine_slice);
+      taken.assign(dev.size(), false);
+      for (const std::int32_t slice : l.slices) {
+        if (slice < 0 || slice >= complete)
+          return fail(status::invalid_argument, what + ": slice " + std::to_string(slice) + " of sequence " +
+                                                    std::to_string(l.slot) + " layer " + std::to_string(l.layer) +
+                                                    " is not complete (complete slices: [0, " +
+                                                    std::to_string(complete) + "))");
+        const auto i = static_cast<std::size_t>(slice);
+        const bool on_host = i < host.size() && host[i] != kInvalidPage;
+        if (on_host == out || taken[i]) continue;  // already there, or listed twice
+        taken[i] = true;
+        moving.push_back({li, slice});
+      }
     }
     if (moving.empty()) return status::success;
     if (out && !host_pool_) HISPARSE_TRY(open_host_tier());
     HISPARSE_TRY(order_after_last(stream));
-    const std::int64_t table_row = (std::int64_t{slot} * opt_.num_layers + layer) * max_slices_;
-    std::vector<page_id> fresh, old;
+    std::vector<page_id> old(moving.size()), fresh;
+    std::vector<std::int64_t> table_index(moving.size());
+    for (std::size_t i = 0; i < moving.size(); ++i) {
+      const slice_list& l = lists[moving[i].list];
+      const auto& s = slots_[static_cast<std::size_t>(l.slot)];
+      const auto k = static_cast<std::size_t>(moving[i].slice);
+      old[i] = out ? s.pages[static_cast<std::size_t>(l.layer)][k] : s.host[static_cast<std::size_t>(l.layer)][k];
+      table_index[i] = (std::int64_t{l.slot} * opt_.num_layers + l.layer) * max_slices_ + moving[i].slice;
+    }
     if (out) {
-      HISPARSE_TRY(transfer(pool_, *host_pool_, dev, moving, table_row, fresh, old, what, stream));
+      HISPARSE_TRY(transfer(pool_, *host_pool_, old, table_index, fresh, what, stream));
     } else {
-      HISPARSE_TRY(transfer(*host_pool_, pool_, host, moving, table_row, fresh, old, what, stream));
+      HISPARSE_TRY(transfer(*host_pool_, pool_, old, table_index, fresh, what, stream));
     }
     for (std::size_t i = 0; i < moving.size(); ++i) {
-      const auto k = static_cast<std::size_t>(moving[i]);
+      const slice_list& l = lists[moving[i].list];
+      auto& s = slots_[static_cast<std::size_t>(l.slot)];
+      auto& dev = s.pages[static_cast<std::size_t>(l.layer)];
+      auto& host = s.host[static_cast<std::size_t>(l.layer)];
+      host.resize(dev.size(), kInvalidPage);
+      const auto k = static_cast<std::size_t>(moving[i].slice);
       dev[k] = out ? kInvalidPage : fresh[i];
       host[k] = out ? fresh[i] : kInvalidPage;
+      s.host_slices[static_cast<std::size_t>(l.layer)] += out ? 1 : -1;
     }
     // The old pages go back at once: later work on this stream is ordered
     // after the copies, and other streams wait for last_launch_.
     return out ? pool_.deallocate(old) : host_pool_->deallocate(old);
   }
 
-  /// Copies the pages of `slices` (ids in `from_ids`, returned in `old`)
-  /// from one pool to fresh pages of the other (`fresh`) and points the page
-  /// table at them; the caller frees `old`. On an error `to` gets its pages
-  /// back and the host state still names the old ones.
+  /// Copies pages `old` of one pool to fresh pages of the other (`fresh`)
+  /// and points the page table's entries `table_index` at them; the caller
+  /// frees `old`. On an error `to` gets its pages back and the host state
+  /// still names the old ones.
   template <class From, class To>
-  [[nodiscard]] status transfer(page_pool<From>& from, page_pool<To>& to, const std::vector<page_id>& from_ids,
-                                const std::vector<std::int32_t>& slices, std::int64_t table_row,
-                                std::vector<page_id>& fresh, std::vector<page_id>& old, const std::string& what,
-                                cudaStream_t stream) {
-    fresh.assign(slices.size(), kInvalidPage);
+  [[nodiscard]] status transfer(page_pool<From>& from, page_pool<To>& to, const std::vector<page_id>& old,
+                                const std::vector<std::int64_t>& table_index, std::vector<page_id>& fresh,
+                                const std::string& what, cudaStream_t stream) {
+    fresh.assign(old.size(), kInvalidPage);
     HISPARSE_TRY(to.allocate(fresh));
-    old.assign(slices.size(), kInvalidPage);
-    for (std::size_t i = 0; i < slices.size(); ++i) old[i] = from_ids[static_cast<std::size_t>(slices[i])];
-    status st = status::success;
     // The copies, merged into runs of consecutive pages within one chunk at
-    // both ends (a copy may not span two allocations, even adjacent ones),
-    // then the table entries.
+    // both ends (a copy may not span two allocations, even adjacent ones).
     const std::size_t bytes = pool_.page_bytes();
     const auto from_chunk = from.pages_per_chunk(), to_chunk = to.pages_per_chunk();
-    for (std::size_t i = 0; i < slices.size() && st == status::success;) {
-      std::byte* src = from.address(old[i]);
-      std::byte* dst = to.address(fresh[i]);
+    std::vector<void*> dst;
+    std::vector<const void*> src;
+    std::vector<std::size_t> size;
+    for (std::size_t i = 0; i < old.size();) {
       std::size_t n = 1;
-      while (i + n < slices.size() && old[i + n] == old[i] + static_cast<page_id>(n) &&
+      while (i + n < old.size() && old[i + n] == old[i] + static_cast<page_id>(n) &&
              fresh[i + n] == fresh[i] + static_cast<page_id>(n) && old[i + n] % from_chunk != 0 &&
              fresh[i + n] % to_chunk != 0)
         ++n;
-      if (const cudaError_t e = cudaMemcpyAsync(dst, src, n * bytes, cudaMemcpyDefault, stream); e != cudaSuccess)
-        st = fail(status::cuda_error, what + ": page copy failed: " + cudaGetErrorString(e));
+      src.push_back(from.address(old[i]));
+      dst.push_back(to.address(fresh[i]));
+      size.push_back(n * bytes);
       i += n;
     }
-    for (std::size_t i = 0; i < slices.size() && st == status::success; i += detail::kTablePatch) {
+    status st = copy_batch(dst, src, size, stream, what);
+    for (std::size_t i = 0; i < old.size() && st == status::success; i += detail::kTablePatch) {
       detail::table_patch<T> p{};
       p.table = page_table_;
-      p.count = static_cast<int>(std::min<std::size_t>(detail::kTablePatch, slices.size() - i));
+      p.count = static_cast<int>(std::min<std::size_t>(detail::kTablePatch, old.size() - i));
       for (int j = 0; j < p.count; ++j) {
-        p.index[j] = table_row + slices[i + static_cast<std::size_t>(j)];
+        p.index[j] = table_index[i + static_cast<std::size_t>(j)];
         p.page[j] = reinterpret_cast<T*>(to.address(fresh[i + static_cast<std::size_t>(j)]));
       }
       detail::patch_table_kernel<T><<<1, detail::kTablePatch, 0, stream>>>(p);
@@ -881,6 +968,31 @@ class paged_kv_cache {
       return st;
     }
     HISPARSE_CUDA_TRY(cudaEventRecord(last_launch_, stream));
+    return status::success;
+  }
+
+  /// Stream-ordered copies: one cudaMemcpyBatchAsync where the runtime has
+  /// it (CUDA 13's signature) and the stream is not the legacy default one
+  /// (which that call refuses), else one cudaMemcpyAsync each.
+  [[nodiscard]] static status copy_batch(const std::vector<void*>& dst, const std::vector<const void*>& src,
+                                         const std::vector<std::size_t>& size, cudaStream_t stream,
+                                         const std::string& what) {
+    if (dst.empty()) return status::success;
+#if CUDART_VERSION >= 13000
+    if (stream != nullptr && stream != cudaStreamLegacy && dst.size() > 1) {
+      cudaMemcpyAttributes attr{};
+      attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+      std::size_t first = 0;
+      if (const cudaError_t e = cudaMemcpyBatchAsync(dst.data(), src.data(), size.data(), dst.size(), &attr, &first,
+                                                     1, stream);
+          e != cudaSuccess)
+        return fail(status::cuda_error, what + ": page copies failed: " + cudaGetErrorString(e));
+      return status::success;
+    }
+#endif
+    for (std::size_t i = 0; i < dst.size(); ++i)
+      if (const cudaError_t e = cudaMemcpyAsync(dst[i], src[i], size[i], cudaMemcpyDefault, stream); e != cudaSuccess)
+        return fail(status::cuda_error, what + ": page copy failed: " + cudaGetErrorString(e));
     return status::success;
   }
 

@@ -11,8 +11,9 @@
 //    device, the least recently kept ones leave (never kept first, then the
 //    oldest kept; ties to the lower slice), except the window's last
 //    `window_slices` and any kept in the last `keep_steps` steps.
-// Host only, no device work: `rebalance` hands a plan to the cache, whose
-// moves are stream-ordered.
+// Host only, no device work: `rebalance` hands the plans of one or many
+// (slot, layer) pairs to the cache in one batch each way, whose moves are
+// stream-ordered.
 
 #include <algorithm>
 #include <cstdint>
@@ -71,28 +72,39 @@ class residency_policy {
   }
 
   /// The moves for (slot, layer), which holds `complete` complete slices;
-  /// `on_host(slice)` says where a slice lives now (the cache's residency).
+  /// `on_host(slice)` says where a slice lives now (the cache's residency),
+  /// `host_slices` how many of them are on the host where the caller knows
+  /// (else, -1, they are counted). Never-kept slices rank first, so a plan
+  /// usually stops at the last one it offloads instead of ranking them all.
   template <class OnHost>
-  [[nodiscard]] residency_moves plan(int slot, int layer, std::int32_t complete, OnHost&& on_host) const {
+  [[nodiscard]] residency_moves plan(int slot, int layer, std::int32_t complete, OnHost&& on_host,
+                                     std::int64_t host_slices = -1) const {
     residency_moves m;
     const auto it = entries_.find({slot, layer});
     const entry none{};
     const entry& e = it == entries_.end() ? none : it->second;
     for (const std::int32_t s : e.last)
       if (s < complete && on_host(s)) m.fetch.push_back(s);
-    std::int64_t on_device = static_cast<std::int64_t>(m.fetch.size());
-    std::vector<std::pair<std::int64_t, std::int32_t>> candidates;  // (last kept step, slice)
-    const std::int32_t movable = std::max(0, complete - opt_.window_slices);
-    for (std::int32_t s = 0; s < complete; ++s) {
-      if (on_host(s)) continue;
-      ++on_device;
-      const std::int64_t at = kept_at(e, s);
-      if (s < movable && (at < 0 || at <= e.step - opt_.keep_steps)) candidates.emplace_back(at, s);
+    if (host_slices < 0) {
+      host_slices = 0;
+      for (std::int32_t s = 0; s < complete; ++s) host_slices += on_host(s) ? 1 : 0;
     }
+    const std::int64_t on_device = complete - host_slices + static_cast<std::int64_t>(m.fetch.size());
     const std::int64_t excess = on_device - opt_.device_slices;
-    if (excess > 0) {
+    if (excess <= 0) return m;
+    // Never kept first, in slice order: the least (last kept step, slice) pairs.
+    const std::int32_t movable = std::max(0, complete - opt_.window_slices);
+    for (std::int32_t s = 0; s < movable && static_cast<std::int64_t>(m.offload.size()) < excess; ++s)
+      if (kept_at(e, s) < 0 && !on_host(s)) m.offload.push_back(s);
+    const std::int64_t left = excess - static_cast<std::int64_t>(m.offload.size());
+    if (left > 0) {  // then those kept longest ago, outside the last keep_steps steps
+      std::vector<std::pair<std::int64_t, std::int32_t>> candidates;  // (last kept step, slice)
+      for (std::int32_t s = 0; s < movable; ++s) {
+        const std::int64_t at = kept_at(e, s);
+        if (at >= 0 && at <= e.step - opt_.keep_steps && !on_host(s)) candidates.emplace_back(at, s);
+      }
       const auto n =
-          static_cast<std::ptrdiff_t>(std::min<std::int64_t>(excess, static_cast<std::int64_t>(candidates.size())));
+          static_cast<std::ptrdiff_t>(std::min<std::int64_t>(left, static_cast<std::int64_t>(candidates.size())));
       std::partial_sort(candidates.begin(), candidates.begin() + n, candidates.end());
       for (std::ptrdiff_t i = 0; i < n; ++i) m.offload.push_back(candidates[static_cast<std::size_t>(i)].second);
       std::sort(m.offload.begin(), m.offload.end());
@@ -125,13 +137,39 @@ class residency_policy {
 template <class Cache, class Stream>
 [[nodiscard]] status rebalance(const residency_policy& policy, Cache& cache, int slot, int layer, Stream stream,
                                residency_moves* moved = nullptr) {
-  const auto complete = static_cast<std::int32_t>(cache.length(slot, layer) / cache.options().fine_slice);
-  using where = decltype(cache.residency(slot, layer, 0));
-  const residency_moves m =
-      policy.plan(slot, layer, complete, [&](std::int32_t s) { return cache.residency(slot, layer, s) == where::host; });
-  if (!m.offload.empty()) HISPARSE_TRY(cache.offload_async(slot, layer, m.offload, stream));
-  if (!m.fetch.empty()) HISPARSE_TRY(cache.fetch_async(slot, layer, m.fetch, stream));
-  if (moved != nullptr) *moved = m;
+  const std::pair<int, int> pair{slot, layer};
+  std::vector<residency_moves> m;
+  HISPARSE_TRY(rebalance(policy, cache, std::span<const std::pair<int, int>>(&pair, 1), stream,
+                         moved != nullptr ? &m : nullptr));
+  if (moved != nullptr) *moved = std::move(m.front());
+  return status::success;
+}
+
+/// The same for many (slot, layer) pairs, each listed once: every plan,
+/// then one batched offload and one batched fetch (the cache's
+/// offload_async / fetch_async over slice lists), so a step's policy costs
+/// a few API calls. `moved`, if given, gets each pair's moves in order.
+template <class Cache, class Stream>
+[[nodiscard]] status rebalance(const residency_policy& policy, Cache& cache,
+                               std::span<const std::pair<int, int>> pairs, Stream stream,
+                               std::vector<residency_moves>* moved = nullptr) {
+  using list = typename Cache::slice_list;
+  std::vector<residency_moves> plans;
+  plans.reserve(pairs.size());
+  std::vector<list> offload, fetch;
+  for (const auto& [slot, layer] : pairs) {
+    const auto complete = static_cast<std::int32_t>(cache.length(slot, layer) / cache.options().fine_slice);
+    const auto where = cache.residency_of(slot, layer);
+    plans.push_back(
+        policy.plan(slot, layer, complete, [&](std::int32_t s) { return where.on_host(s); }, where.host_slices()));
+  }
+  for (std::size_t i = 0; i < pairs.size(); ++i) {
+    if (!plans[i].offload.empty()) offload.push_back(list{pairs[i].first, pairs[i].second, plans[i].offload});
+    if (!plans[i].fetch.empty()) fetch.push_back(list{pairs[i].first, pairs[i].second, plans[i].fetch});
+  }
+  if (!offload.empty()) HISPARSE_TRY(cache.offload_async(std::span<const list>(offload), stream));
+  if (!fetch.empty()) HISPARSE_TRY(cache.fetch_async(std::span<const list>(fetch), stream));
+  if (moved != nullptr) *moved = std::move(plans);
   return status::success;
 }
 
