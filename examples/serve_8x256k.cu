@@ -9,7 +9,8 @@
 //     offload); the first that fits is chosen (or --mode).
 //  2. Prefill, chunked: every request's prompt, layer by layer, appended in
 //     --chunk token chunks (the cache's writes of a prefill: quantization
-//     and summaries). With offload, each chunk is followed by a rebalance of
+//     and summaries). With offload, the host tier is pinned first (its
+//     size from the plan), and each chunk is followed by a rebalance of
 //     a residency_policy that keeps plan_memory's per-(request, layer)
 //     budget on the device (the most recent slices; the rest go to pinned
 //     host memory). The prefill's attention is not run: it reads 16-bit
@@ -17,9 +18,11 @@
 //  3. Decode: per step, one new token of every layer appended (outside the
 //     graph), then the graph; with offload, each layer's kept slices are
 //     read back and the policy fetches what missed and offloads the least
-//     recently kept. Printed: the whole model's step (median, max), the
-//     miss share, the same layers as 28 single-layer graphs, memory by kind,
-//     and plan_memory's prediction beside the measured peak.
+//     recently kept, every (request, layer) in one batched rebalance that
+//     the host plans while the next step runs. Printed: the whole model's
+//     step (median, max), the serving loop's iteration, the miss share and
+//     the pages moved, the same layers as 28 single-layer graphs, memory by
+//     kind, and plan_memory's prediction beside the measured peak.
 //
 // The keys carry structure (per 1024-token block, a topic vector added to
 // noise) and each request's queries mix four of its blocks' topics with
@@ -29,7 +32,8 @@
 // Without a CUDA device (or with --plan-only) it prints the plan and exits 0.
 //
 //   serve_8x256k [--requests 8] [--context 262144] [--layers 28] [--steps 64] [--limit-gib 48]
-//                [--host-gib 100] [--chunk 8192] [--mode auto|bf16|fp8|fp8-offload|bf16-offload]
+//                [--host-gib 100] [--chunk 8192] [--keep-steps 1]
+//                [--mode auto|bf16|fp8|fp8-offload|bf16-offload]
 //                [--plan-only]
 #include <algorithm>
 #include <chrono>
@@ -37,7 +41,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <cuda_fp8.h>
@@ -46,6 +52,7 @@
 #include <hisparse/kv/paged_kv_cache.cuh>
 #include <hisparse/mr/device_pool_resource.hpp>
 #include <hisparse/mr/limiting_adaptor.hpp>
+#include <hisparse/mr/pinned_host_resource.hpp>
 #include <hisparse/mr/statistics_adaptor.hpp>
 #include <hisparse/runtime/memory_budget.cuh>
 #include <hisparse/runtime/model_decode.cuh>
@@ -70,6 +77,7 @@ struct options {
   double limit_gib = 48;
   double host_gib = 100;
   int chunk = 8192;
+  int keep_steps = 1;  ///< residency_options::keep_steps
   std::string mode = "auto";
   bool plan_only = false;
 };
@@ -243,7 +251,7 @@ int serve(const options& o, const planned& p) {
   co.fine_summary = c.fine_summary;
   co.max_host_bytes = p.budget.host_limit;
   kv::paged_kv_cache<KV, resource> cache(stats, co);
-  residency_policy policy({p.budget.device_slices_each(), c.window / c.fine_slice + 1, 1});
+  residency_policy policy({p.budget.device_slices_each(), c.window / c.fine_slice + 1, o.keep_steps});
 
   using buffer = owned<resource>;
   const std::size_t kv_row = std::size_t{kKvHeads} * kDim;
@@ -255,6 +263,19 @@ int serve(const options& o, const planned& p) {
   buffer lse(stats, q_rows * sizeof(float)), d_slots(stats, o.requests * sizeof(std::int32_t));
   cudaStream_t stream = nullptr;
   HISPARSE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  // The host tier pinned up front (warm-up work, not the prefill's): the
+  // plan's pages off the device and room for one step's moves, which
+  // offload before they fetch.
+  if (p.m.offload) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::int64_t swap = std::int64_t{o.requests} * o.layers * kKvHeads * c.top_k_fine;
+    throw_if_error(cache.reserve_host_pages(p.budget.pages_off_device() + swap));
+    std::printf("host tier: %.2f GB pinned in %.1f s\n",
+                static_cast<double>(cache.host_pages_total()) *
+                    static_cast<double>(p.budget.footprint.page_bytes) / 1e9,
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
 
   // Prefill.
   std::vector<int> slots(static_cast<std::size_t>(o.requests));
@@ -308,16 +329,71 @@ int serve(const options& o, const planned& p) {
   std::printf("warm-up: plan %.2f ms, first run %.2f ms, capture + instantiate %.2f ms, first replay %.2f ms\n",
               warm.plan_ms, warm.first_run_ms, warm.capture_ms, warm.first_replay_ms);
 
-  // Decode.
+  // Decode, pipelined as an engine would: step s is queued, then the host
+  // reads step s-1's kept slices (copied back behind it), counts its misses,
+  // observes and rebalances every (request, layer) in one batch, whose moves
+  // queue behind step s. The host's policy work overlaps the GPU's step; a
+  // slice newly kept is fetched one step later than a synchronous loop would.
   const std::size_t kept_rows = static_cast<std::size_t>(o.requests) * kKvHeads;
-  std::vector<std::int32_t> kept(kept_rows * c.top_k_fine), num(kept_rows);
-  cudaEvent_t begin = nullptr, end = nullptr;
-  HISPARSE_CUDA_CHECK(cudaEventCreate(&begin));
-  HISPARSE_CUDA_CHECK(cudaEventCreate(&end));
-  std::vector<double> step_us;
+  const std::size_t kept_words = kept_rows * (c.top_k_fine + 1);  // a layer's lists, then its counts
+  mr::pinned_host_resource pinned;
+  owned<mr::pinned_host_resource> kept_buffer(pinned, 2 * kept_words * o.layers * 4);  // two steps in flight
+  std::vector<std::pair<int, int>> pairs;  // every (request, layer), rebalanced in one batch a step
+  for (int l = 0; l < o.layers; ++l)
+    for (const int slot : slots) pairs.emplace_back(slot, l);
+  std::vector<cudaEvent_t> ev(3 * static_cast<std::size_t>(o.steps));  // per step: begin, end, lists copied
+  for (auto& e : ev) HISPARSE_CUDA_CHECK(cudaEventCreate(&e));
+  auto event = [&](int step, int which) { return ev[3 * static_cast<std::size_t>(step) + which]; };
   std::int64_t misses = 0, kept_total = 0, first_misses = 0, first_kept = 0;
-  double policy_s = 0;
+  std::vector<double> policy_ms, loop_ms;  // host policy work a step; wall time an iteration
+  std::vector<double> fetched;             // pages fetched a step (as many offloaded: the budget is full)
+  std::vector<residency_moves> last_moves(pairs.size());  // queued behind the step being read
+  std::vector<std::int32_t> any_head;
+  // Step `s`'s kept slices: misses against where they were when it ran
+  // (now, less the moves queued after it), then observe and rebalance.
+  auto read_step = [&](int s, bool rebalance_after) {
+    HISPARSE_CUDA_CHECK(cudaEventSynchronize(event(s, 2)));
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::int32_t* lists =
+        kept_buffer.as<std::int32_t>() + static_cast<std::size_t>(s % 2) * kept_words * o.layers;
+    for (std::size_t i = 0; i < pairs.size(); ++i) {
+      const auto [slot, l] = pairs[i];
+      const int r = static_cast<int>(i % slots.size());
+      const std::int32_t* list = lists + static_cast<std::size_t>(l) * kept_words;
+      const std::int32_t* num = list + kept_rows * c.top_k_fine;
+      const auto where = cache.residency_of(slot, l);
+      const residency_moves& after = last_moves[i];
+      auto was_on_host = [&](std::int32_t sl) {
+        if (std::binary_search(after.fetch.begin(), after.fetch.end(), sl)) return true;
+        if (std::binary_search(after.offload.begin(), after.offload.end(), sl)) return false;
+        return sl < where.size() && where.on_host(sl);
+      };
+      any_head.clear();
+      for (int h = 0; h < kKvHeads; ++h) {
+        const std::size_t row = static_cast<std::size_t>(r) * kKvHeads + h;
+        for (int k = 0; k < num[row]; ++k) {
+          const std::int32_t sl = list[row * c.top_k_fine + k];
+          misses += was_on_host(sl);
+          ++kept_total;
+          any_head.push_back(sl);
+        }
+      }
+      throw_if_error(policy.observe(slot, l, s, any_head));
+    }
+    if (rebalance_after) {
+      throw_if_error(rebalance(policy, cache, std::span<const std::pair<int, int>>(pairs), stream, &last_moves));
+      std::int64_t n = 0;
+      for (const auto& m : last_moves) n += static_cast<std::int64_t>(m.fetch.size());
+      fetched.push_back(static_cast<double>(n));
+    }
+    policy_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    if (s == 0) {
+      first_misses = misses;
+      first_kept = kept_total;
+    }
+  };
   for (int s = 0; s < o.steps; ++s) {
+    const auto iteration = std::chrono::steady_clock::now();
     for (int l = 0; l < o.layers; ++l) {
       bf16* k = step_k.as<bf16>() + static_cast<std::size_t>(l) * o.requests * kv_row;
       bf16* v = step_v.as<bf16>() + static_cast<std::size_t>(l) * o.requests * kv_row;
@@ -326,42 +402,39 @@ int serve(const options& o, const planned& p) {
       throw_if_error(cache.append_decode_async(l, slots, k, v, stream));
     }
     make_queries<<<static_cast<int>(q_rows), kDim, 0, stream>>>(queries.as<bf16>(), o.requests, s, prompt_blocks);
-    HISPARSE_CUDA_CHECK(cudaEventRecord(begin, stream));
+    HISPARSE_CUDA_CHECK(cudaEventRecord(event(s, 0), stream));
     throw_if_error(step.replay(stream));
-    HISPARSE_CUDA_CHECK(cudaEventRecord(end, stream));
-    HISPARSE_CUDA_CHECK(cudaEventSynchronize(end));
-    float ms = 0;
-    HISPARSE_CUDA_CHECK(cudaEventElapsedTime(&ms, begin, end));
-    step_us.push_back(ms * 1e3);
-    if (!p.m.offload) continue;
-    // What each layer kept: count the misses, then rebalance.
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int l = 0; l < o.layers; ++l) {
-      HISPARSE_CUDA_CHECK(cudaMemcpy(kept.data(), step.layer(l).kept_slices(), kept.size() * 4, cudaMemcpyDeviceToHost));
-      HISPARSE_CUDA_CHECK(cudaMemcpy(num.data(), step.layer(l).num_slices(), num.size() * 4, cudaMemcpyDeviceToHost));
-      for (int r = 0; r < o.requests; ++r) {
-        const int slot = slots[static_cast<std::size_t>(r)];
-        std::vector<std::int32_t> any_head;
-        for (int h = 0; h < kKvHeads; ++h) {
-          const std::size_t row = static_cast<std::size_t>(r) * kKvHeads + h;
-          for (int i = 0; i < num[row]; ++i) {
-            const std::int32_t sl = kept[row * c.top_k_fine + i];
-            misses += cache.residency(slot, l, sl) == kv::page_residency::host;
-            ++kept_total;
-            any_head.push_back(sl);
-          }
-        }
-        throw_if_error(policy.observe(slot, l, s, any_head));
-        throw_if_error(rebalance(policy, cache, slot, l, stream));
+    HISPARSE_CUDA_CHECK(cudaEventRecord(event(s, 1), stream));
+    if (p.m.offload) {
+      std::int32_t* lists = kept_buffer.as<std::int32_t>() + static_cast<std::size_t>(s % 2) * kept_words * o.layers;
+      for (int l = 0; l < o.layers; ++l) {
+        std::int32_t* at = lists + static_cast<std::size_t>(l) * kept_words;
+        HISPARSE_CUDA_CHECK(cudaMemcpyAsync(at, step.layer(l).kept_slices(), kept_rows * c.top_k_fine * 4,
+                                            cudaMemcpyDeviceToHost, stream));
+        HISPARSE_CUDA_CHECK(cudaMemcpyAsync(at + kept_rows * c.top_k_fine, step.layer(l).num_slices(), kept_rows * 4,
+                                            cudaMemcpyDeviceToHost, stream));
       }
+      HISPARSE_CUDA_CHECK(cudaEventRecord(event(s, 2), stream));
+      if (s > 0) read_step(s - 1, true);
+    } else if (s > 0) {
+      HISPARSE_CUDA_CHECK(cudaEventSynchronize(event(s - 1, 1)));  // at most two steps queued
     }
-    policy_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (s == 0) {
-      first_misses = misses;
-      first_kept = kept_total;
-    }
+    if (s > 0)
+      loop_ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - iteration).count());
   }
+  if (p.m.offload) read_step(o.steps - 1, false);
   HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<double> step_us;
+  for (int s = 0; s < o.steps; ++s) {
+    float ms = 0;
+    HISPARSE_CUDA_CHECK(cudaEventElapsedTime(&ms, event(s, 0), event(s, 1)));
+    step_us.push_back(ms * 1e3);
+  }
+  for (auto& e : ev) HISPARSE_CUDA_CHECK(cudaEventDestroy(e));
+  cudaEvent_t begin = nullptr, end = nullptr;
+  HISPARSE_CUDA_CHECK(cudaEventCreate(&begin));
+  HISPARSE_CUDA_CHECK(cudaEventCreate(&end));
 
   // The same layers as one graph each, launched one after another, against
   // the whole model's graph, alternately on the same inputs.
@@ -401,6 +474,10 @@ int serve(const options& o, const planned& p) {
               "step median %.1f us, max %.1f us (%.2f us a layer)\n",
               o.steps, o.layers, o.requests, median(step_us), *std::max_element(step_us.begin(), step_us.end()),
               median(step_us) / o.layers);
+  std::printf("        serving loop (appends, step%s; the next step queued before the host waits): median %.3f ms "
+              "an iteration, max %.3f ms\n",
+              p.m.offload ? ", the last step's kept slices read back, its policy and moves" : "", median(loop_ms),
+              loop_ms.empty() ? 0.0 : *std::max_element(loop_ms.begin(), loop_ms.end()));
   std::printf("        back to back: one graph %.1f us vs %d single-layer graphs %.1f us (%.1f us each): ratio %.3f\n", whole,
               o.layers, separate, separate / o.layers, whole / separate);
   auto share = [](std::int64_t part, std::int64_t whole) {
@@ -408,10 +485,16 @@ int serve(const options& o, const planned& p) {
   };
   if (p.m.offload)
     std::printf("        kept slices read from the host: %.2f%% (%lld of %lld; first step %.2f%%, later %.2f%%); "
-                "host policy work %.1f ms a step\n",
+                "host policy work a step (overlaps the next step): median %.2f ms, first step %.2f ms\n",
                 share(misses, kept_total), static_cast<long long>(misses), static_cast<long long>(kept_total),
                 share(first_misses, first_kept), share(misses - first_misses, kept_total - first_kept),
-                1e3 * policy_s / o.steps);
+                median(policy_ms), policy_ms.empty() ? 0.0 : policy_ms.front());
+  if (p.m.offload && fetched.size() > 1)
+    std::printf("        pages fetched a step: median %.0f (%.1f MB; the first step %.0f), as many offloaded\n",
+                median(std::vector<double>(fetched.begin() + 1, fetched.end())),
+                median(std::vector<double>(fetched.begin() + 1, fetched.end())) *
+                    static_cast<double>(p.budget.footprint.page_bytes) / 1e6,
+                fetched.front());
   const auto st = stats.stats();
   const std::size_t page_bytes = p.budget.footprint.page_bytes;
   std::printf("memory: pages on the device %.2f GB (%lld in use of %lld in the pool), on the host %.2f GB, "
@@ -451,11 +534,12 @@ bool parse(int argc, char** argv, options& o) {
     else if (a == "--limit-gib") o.limit_gib = std::atof(v);
     else if (a == "--host-gib") o.host_gib = std::atof(v);
     else if (a == "--chunk") o.chunk = std::atoi(v);
+    else if (a == "--keep-steps") o.keep_steps = std::atoi(v);
     else if (a == "--mode") o.mode = v;
     else return false;
   }
   return o.requests > 0 && o.context > 0 && o.layers > 0 && o.steps > 0 && o.limit_gib > 0 && o.host_gib >= 0 &&
-         o.chunk > 0;
+         o.chunk > 0 && o.keep_steps > 0;
 }
 }  // namespace
 
@@ -463,8 +547,8 @@ int main(int argc, char** argv) {
   options o;
   if (!parse(argc, argv, o)) {
     std::fprintf(stderr, "usage: serve_8x256k [--requests N] [--context T] [--layers L] [--steps S] "
-                         "[--limit-gib G] [--host-gib H] [--chunk N] [--mode auto|bf16|fp8|fp8-offload|bf16-offload] "
-                         "[--plan-only]\n");
+                         "[--limit-gib G] [--host-gib H] [--chunk N] [--keep-steps K] "
+                         "[--mode auto|bf16|fp8|fp8-offload|bf16-offload] [--plan-only]\n");
     return 2;
   }
   int devices = 0, num_sms = 132;
