@@ -49,17 +49,31 @@ if not link:
     print(f"hisparse setup.py: WARNING: {linker} names no shared libstdc++.so.6; if it links libstdc++ "
           "statically, an op's exception will crash Python", file=sys.stderr)
 
+# The standard kernel instances compile in their own files (so a parallel
+# build splits them) and the ops' files declare them extern
+# (HISPARSE_EXTERN_TEMPLATES); the fp8 one is not used. HISPARSE_INSTANCES
+# names a CMake build directory whose instance libraries (built for every
+# architecture, position-independent) are linked instead of compiled again:
+# scripts/test.sh builds them just before.
+sources = ["python/csrc/select_ops.cu", "python/csrc/cache_ops.cu"]
+objects = []
+prebuilt = os.environ.get("HISPARSE_INSTANCES")
+if prebuilt:
+    objects = [os.path.join(prebuilt, f"libhisparse_instances_{n}.a") for n in ("bf16", "rest")]
+    missing = [o for o in objects if not os.path.exists(o)]
+    if missing:
+        sys.exit(f"hisparse setup.py: HISPARSE_INSTANCES={prebuilt} lacks {', '.join(missing)}")
+else:
+    sources += sorted(f"instances/{f}" for f in os.listdir(os.path.join(here, "instances")) if "fp8" not in f)
+
 setup(
     packages=["hisparse"],
     package_dir={"": "python"},
     ext_modules=[
         CUDAExtension(
             "hisparse._C",
-            # The standard kernel instances compile in their own files (so a
-            # parallel build splits them) and the ops' files declare them
-            # extern (HISPARSE_EXTERN_TEMPLATES); the fp8 one is not used.
-            sources=["python/csrc/select_ops.cu", "python/csrc/cache_ops.cu"]
-            + sorted(f"instances/{f}" for f in os.listdir(os.path.join(here, "instances")) if "fp8" not in f),
+            sources=sources,
+            extra_objects=objects,
             include_dirs=[os.path.join(here, "include")],
             extra_compile_args={"cxx": ["-O2", "-std=c++20"], "nvcc": nvcc},
             extra_link_args=link,

@@ -39,14 +39,17 @@ cmake --build build/consumer -j "$jobs"
 ./build/consumer/consumer_decode  # a GPU decode step; says "skipped" without a device
 elapsed "consumers built and run"
 
-# The PyTorch package (python/): built in place for one architecture (the
-# library's kernels were compiled for all of them above; this proves the
-# bindings) and its CPU tests run: import, argument checks, the CPU and fake
+# The PyTorch package (python/): its bindings built in place for one
+# architecture, linked with the kernel instances compiled above for all of
+# them, and its CPU tests run: import, argument checks, the CPU and fake
 # kernels, opcheck, torch.compile. Needs an interpreter with torch:
 # HISPARSE_PYTHON, else python3; without one the step says it is skipped.
 py=${HISPARSE_PYTHON:-python3}
 if "$py" -c "import torch, pytest" 2>/dev/null; then
-  TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0} MAX_JOBS=$jobs "$py" setup.py -q build_ext --inplace >/dev/null
+  # The kernel instances come from the build above (HISPARSE_INSTANCES):
+  # only the bindings compile here.
+  HISPARSE_INSTANCES="$root/build/cpu" TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0} MAX_JOBS=$jobs \
+    "$py" setup.py -q build_ext --inplace >/dev/null
   elapsed "PyTorch extension built"
   PYTHONPATH=python "$py" -m pytest -q -p no:cacheprovider python/tests
   python_note="python tests passed (GPU ones skipped without a device)"
