@@ -34,6 +34,7 @@ struct cache_shape {
   std::int64_t max_context;
   int fine_slice, coarse_block, topk_cache_slices;
   fine_summary summary;
+  coarse_summary coarse;
   std::int64_t max_prefill_tokens;  ///< queries a prefill call may hold (0: no prefill)
   int max_prefill_tiles;            ///< the query tiles they can span
   std::int64_t max_host_bytes;      ///< the host tier for offloaded pages (0: none)
@@ -201,6 +202,7 @@ class cache_impl final : public cache_base {
     o.max_sequences = s.max_sequences;
     o.max_context = s.max_context;
     o.fine_summary = s.summary;
+    o.coarse_summary = s.coarse;
     o.topk_cache_slices = s.topk_cache_slices;
     o.max_host_bytes = static_cast<std::size_t>(s.max_host_bytes);
     return o;
@@ -518,12 +520,13 @@ __attribute__((visibility("default"))) const char* hisparse_last_error() {
 }
 
 /// dtype: 0 bfloat16, 1 float16. fine_summary: 0 mean, 1 mean_bf16, 2 key_bounds.
+/// coarse_summary: 0 mean, 1 key_bounds.
 /// max_prefill_tokens: the most queries one prefill call holds (0: decode only).
 /// max_host_bytes: pinned host memory offloaded pages may take (0: none).
 __attribute__((visibility("default"))) std::int64_t hisparse_cache_create(
     int device, int dtype, int layers, int kv_heads, int head_dim, int q_heads, int max_sequences,
-    std::int64_t max_context, int fine_slice, int coarse_block, int fine_summary, int topk_cache_slices,
-    std::int64_t max_prefill_tokens, std::int64_t max_host_bytes) {
+    std::int64_t max_context, int fine_slice, int coarse_block, int fine_summary, int coarse_summary,
+    int topk_cache_slices, std::int64_t max_prefill_tokens, std::int64_t max_host_bytes) {
   using namespace hisparse::torch_ops;
   return guarded(
       [&]() -> std::int64_t {
@@ -531,13 +534,24 @@ __attribute__((visibility("default"))) std::int64_t hisparse_cache_create(
           throw hisparse::error(hisparse::status::invalid_argument, "max_prefill_tokens must be in [0, 2^30]");
         if (max_host_bytes < 0)
           throw hisparse::error(hisparse::status::invalid_argument, "max_host_bytes must be >= 0");
-        const cache_shape s{device,       layers,           kv_heads,
-                            head_dim,     q_heads,          max_sequences,
-                            max_context,  fine_slice,       coarse_block,
-                            topk_cache_slices, static_cast<hisparse::fine_summary>(fine_summary),
-                            max_prefill_tokens, prefill_tiles_for(max_prefill_tokens, max_sequences),
+        const cache_shape s{device,
+                            layers,
+                            kv_heads,
+                            head_dim,
+                            q_heads,
+                            max_sequences,
+                            max_context,
+                            fine_slice,
+                            coarse_block,
+                            topk_cache_slices,
+                            static_cast<hisparse::fine_summary>(fine_summary),
+                            static_cast<hisparse::coarse_summary>(coarse_summary),
+                            max_prefill_tokens,
+                            prefill_tiles_for(max_prefill_tokens, max_sequences),
                             max_host_bytes};
         if (!hisparse::is_valid(s.summary)) throw hisparse::error(hisparse::status::invalid_argument, "unknown fine_summary");
+        if (!hisparse::is_valid(s.coarse))
+          throw hisparse::error(hisparse::status::invalid_argument, "unknown coarse_summary");
         if (q_heads < 1 || q_heads % kv_heads != 0)
           throw hisparse::error(hisparse::status::invalid_argument, "q_heads must be a positive multiple of kv_heads");
         std::unique_ptr<cache_base> c = on_device(device, [&]() -> std::unique_ptr<cache_base> {

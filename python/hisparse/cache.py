@@ -18,8 +18,10 @@ PRESETS = {
     "short_context": (32, 512),
     "standard_bf16_summaries": (64, 1024),
     "standard_key_bounds": (64, 1024),
+    "key_bounds_both": (64, 1024),
 }
 _FINE_SUMMARIES = {"mean": 0, "mean_bf16": 1, "key_bounds": 2}
+_COARSE_SUMMARIES = {"mean": 0, "key_bounds": 1}
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 
 # The overloads themselves: resolving them per call costs host time.
@@ -32,7 +34,7 @@ _prefill = torch.ops.hisparse.cache_prefill.default
 _c = ctypes.CDLL(_library_path)
 _c.hisparse_last_error.restype = ctypes.c_char_p
 _c.hisparse_cache_create.restype = ctypes.c_int64
-_c.hisparse_cache_create.argtypes = ([ctypes.c_int] * 7 + [ctypes.c_int64] + [ctypes.c_int] * 4
+_c.hisparse_cache_create.argtypes = ([ctypes.c_int] * 7 + [ctypes.c_int64] + [ctypes.c_int] * 5
                                      + [ctypes.c_int64, ctypes.c_int64])
 _c.hisparse_cache_move.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
                                    ctypes.c_int, ctypes.c_void_p]
@@ -78,6 +80,12 @@ class PagedKVCache:
     ``max_prefill_tokens`` > 0 plans ``prefill`` for calls of up to that
     many queries (0: decode only).
 
+    ``fine_summary`` ("mean", "mean_bf16", "key_bounds") and
+    ``coarse_summary`` ("mean", "key_bounds"; key bounds of blocks need
+    them of slices) say what the cache keeps for the selection, and so which
+    presets it serves: "key_bounds_both" needs both as "key_bounds", and is
+    served for decode only.
+
     The steps of one cache share its plan's workspace (and the prefill its
     segment buffer): run them on one stream at a time, as torch's current
     stream orders them, not concurrently on several.
@@ -89,12 +97,14 @@ class PagedKVCache:
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_q_heads: int,
                  max_sequences: int, max_context: int, dtype: torch.dtype = torch.bfloat16,
                  device=None, fine_slice: int = 64, coarse_block: int = 1024,
-                 fine_summary: str = "mean", topk_cache_slices: int = 0, max_prefill_tokens: int = 0,
-                 max_host_bytes: int = 0):
+                 fine_summary: str = "mean", coarse_summary: str = "mean", topk_cache_slices: int = 0,
+                 max_prefill_tokens: int = 0, max_host_bytes: int = 0):
         if dtype not in _DTYPES:
             raise ValueError(f"hisparse.PagedKVCache: dtype must be bfloat16 or float16, not {dtype}")
         if fine_summary not in _FINE_SUMMARIES:
             raise ValueError(f"hisparse.PagedKVCache: fine_summary must be one of {sorted(_FINE_SUMMARIES)}")
+        if coarse_summary not in _COARSE_SUMMARIES:
+            raise ValueError(f"hisparse.PagedKVCache: coarse_summary must be one of {sorted(_COARSE_SUMMARIES)}")
         device = torch.device(device if device is not None else "cuda")
         if device.type != "cuda":
             raise ValueError("hisparse.PagedKVCache: the cache lives on a CUDA device")
@@ -106,8 +116,8 @@ class PagedKVCache:
         self.num_q_heads, self.max_sequences = num_q_heads, max_sequences
         self._handle = _checked(_c.hisparse_cache_create(
             device.index, _DTYPES[dtype], num_layers, num_kv_heads, head_dim, num_q_heads, max_sequences,
-            max_context, fine_slice, coarse_block, _FINE_SUMMARIES[fine_summary], topk_cache_slices,
-            max_prefill_tokens, max_host_bytes))
+            max_context, fine_slice, coarse_block, _FINE_SUMMARIES[fine_summary], _COARSE_SUMMARIES[coarse_summary],
+            topk_cache_slices, max_prefill_tokens, max_host_bytes))
         for name in PRESETS:
             width = _c.hisparse_cache_kept_width(self._handle, name.encode())
             if width > 0:

@@ -18,7 +18,7 @@ ATOL = 1e-5
 
 
 def filled_cache(lengths, *, hq=32, hkv=8, dim=128, dtype=torch.bfloat16, preset="standard", layers=1, seed=0,
-                 max_prefill_tokens=0, room=64, max_host_bytes=0):
+                 max_prefill_tokens=0, room=64, max_host_bytes=0, summaries=("mean", "mean")):
     """A cache holding random K/V for each length, appended the way an engine
     does: the prompt in two chunks, then single-token decode appends; each
     sequence has `room` tokens reserved past its length."""
@@ -27,7 +27,8 @@ def filled_cache(lengths, *, hq=32, hkv=8, dim=128, dtype=torch.bfloat16, preset
     cache = hisparse.PagedKVCache(num_layers=layers, num_kv_heads=hkv, head_dim=dim, num_q_heads=hq,
                                   max_sequences=len(lengths), max_context=max(lengths) + room, dtype=dtype,
                                   fine_slice=fine, coarse_block=block, max_prefill_tokens=max_prefill_tokens,
-                                  max_host_bytes=max_host_bytes)
+                                  max_host_bytes=max_host_bytes, fine_summary=summaries[0],
+                                  coarse_summary=summaries[1])
     slots = [cache.add_sequence(n + room) for n in lengths]
     keys = [torch.rand(n, hkv, dim, device="cuda", generator=gen, dtype=torch.float32).sub_(0.5).to(dtype)
             for n in lengths]
@@ -72,6 +73,27 @@ def test_decode_matches_contract(preset, lengths):
     out, lse = cache.decode(q, slots_t, 0, preset)
     check_against_contract(out, lse, keys, values, q, CONFIGS[preset])
     cache.close()
+
+
+def test_key_bounds_presets_need_the_cache_to_keep_bounds():
+    # Far regions of at most top_k_fine slices: every far slice is kept
+    # whatever the scores, so each bounds preset gives the contract's result.
+    lengths = [300, 1500]
+    cache, slots, keys, values = filled_cache(lengths, seed=5, summaries=("key_bounds", "key_bounds"))
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    q = (torch.rand(len(lengths), 32, 128, device="cuda", generator=gen) * 8 - 4).bfloat16()
+    s = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    for preset in ("key_bounds_both", "standard_key_bounds", "standard"):
+        out, lse = cache.decode(q, s, 0, preset)
+        check_against_contract(out, lse, keys, values, q, CONFIGS["standard"])
+    cache.close()
+    means, slots, _, _ = filled_cache([1500], seed=6)
+    with pytest.raises(RuntimeError, match="cannot serve preset 'key_bounds_both'"):
+        means.decode(q[:1], torch.tensor(slots, dtype=torch.int32, device="cuda"), 0, "key_bounds_both")
+    means.close()
+    with pytest.raises(RuntimeError, match="coarse_summary key_bounds needs fine_summary key_bounds"):
+        hisparse.PagedKVCache(num_layers=1, num_kv_heads=8, head_dim=128, num_q_heads=32, max_sequences=1,
+                              max_context=1024, coarse_summary="key_bounds")
 
 
 @pytest.mark.parametrize("hq,hkv,dim,dtype", [(8, 8, 64, torch.float16), (32, 4, 128, torch.bfloat16),

@@ -65,6 +65,9 @@ def test_cache_arguments_checked_before_any_device_work():
     with pytest.raises(ValueError, match="fine_summary"):
         hisparse.PagedKVCache(num_layers=1, num_kv_heads=8, head_dim=128, num_q_heads=32, max_sequences=1,
                               max_context=1024, fine_summary="max")
+    with pytest.raises(ValueError, match="coarse_summary"):
+        hisparse.PagedKVCache(num_layers=1, num_kv_heads=8, head_dim=128, num_q_heads=32, max_sequences=1,
+                              max_context=1024, coarse_summary="mean_bf16")
     with pytest.raises(ValueError, match="CUDA device"):
         hisparse.PagedKVCache(num_layers=1, num_kv_heads=8, head_dim=128, num_q_heads=32, max_sequences=1,
                               max_context=1024, device="cpu")
