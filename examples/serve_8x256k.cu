@@ -358,7 +358,7 @@ int serve(const options& o, const planned& p) {
         kept_buffer.as<std::int32_t>() + static_cast<std::size_t>(s % 2) * kept_words * o.layers;
     for (std::size_t i = 0; i < pairs.size(); ++i) {
       const auto [slot, l] = pairs[i];
-      const int r = static_cast<int>(i % slots.size());
+      const int r = static_cast<int>(i % slots.size());  // pairs run layer by layer, requests inside
       const std::int32_t* list = lists + static_cast<std::size_t>(l) * kept_words;
       const std::int32_t* num = list + kept_rows * c.top_k_fine;
       const auto where = cache.residency_of(slot, l);

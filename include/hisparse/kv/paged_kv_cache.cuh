@@ -739,23 +739,18 @@ class paged_kv_cache {
     std::int32_t host_slices_;
   };
   [[nodiscard]] residency_view residency_of(int slot, int layer) const {
-    if (check_slot(slot, "residency_of") != status::success || layer < 0 || layer >= opt_.num_layers)
-      throw error(status::invalid_argument, "residency_of: unknown sequence or layer");
-    const auto& s = slots_[static_cast<std::size_t>(slot)];
+    const slot_state& s = state_of(slot, layer, "residency_of");
     return residency_view(s.pages[static_cast<std::size_t>(layer)], s.host_slices[static_cast<std::size_t>(layer)]);
   }
 
   /// Where slice `slice` of (slot, layer) lives; throws invalid_argument for
   /// a slice the sequence has no page for.
   [[nodiscard]] page_residency residency(int slot, int layer, std::int32_t slice) const {
-    if (check_slot(slot, "residency") != status::success || layer < 0 || layer >= opt_.num_layers)
-      throw error(status::invalid_argument, "residency: unknown sequence or layer");
-    const auto& s = slots_[static_cast<std::size_t>(slot)];
-    const auto& dev = s.pages[static_cast<std::size_t>(layer)];
-    if (slice < 0 || static_cast<std::size_t>(slice) >= dev.size())
+    const residency_view v(state_of(slot, layer, "residency").pages[static_cast<std::size_t>(layer)], 0);
+    if (slice < 0 || slice >= v.size())
       throw error(status::invalid_argument, "residency: sequence " + std::to_string(slot) + " layer " +
                                                 std::to_string(layer) + " has no slice " + std::to_string(slice));
-    return dev[static_cast<std::size_t>(slice)] == kInvalidPage ? page_residency::host : page_residency::device;
+    return v.on_host(slice) ? page_residency::host : page_residency::device;
   }
 
   /// Pages the host tier holds now (0 without one), and has pinned.
@@ -763,9 +758,7 @@ class paged_kv_cache {
   [[nodiscard]] std::int64_t host_pages_total() const noexcept { return host_pool_ ? host_pool_->pages_total() : 0; }
 
   [[nodiscard]] std::int64_t length(int slot, int layer) const {
-    if (check_slot(slot, "length") != status::success || layer < 0 || layer >= opt_.num_layers)
-      throw error(status::invalid_argument, "length: unknown sequence or layer");
-    return slots_[static_cast<std::size_t>(slot)].lengths[static_cast<std::size_t>(layer)];
+    return state_of(slot, layer, "length").lengths[static_cast<std::size_t>(layer)];
   }
   [[nodiscard]] bool active(int slot) const {
     return slot >= 0 && slot < opt_.max_sequences && slots_[static_cast<std::size_t>(slot)].active;
@@ -838,6 +831,13 @@ class paged_kv_cache {
     p.max_bytes = o.max_pool_bytes;
     p.reserve_pages = o.reserve_pages;
     return p;
+  }
+
+  /// A live slot's state, for a layer in range; throws invalid_argument.
+  [[nodiscard]] const slot_state& state_of(int slot, int layer, const char* what) const {
+    if (check_slot(slot, what) != status::success || layer < 0 || layer >= opt_.num_layers)
+      throw error(status::invalid_argument, std::string(what) + ": unknown sequence or layer");
+    return slots_[static_cast<std::size_t>(slot)];
   }
 
   [[nodiscard]] status check_slot(int slot, const char* what) const {
