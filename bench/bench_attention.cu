@@ -704,6 +704,75 @@ void BM_step_tile(benchmark::State& state) {
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
+/// The step with the selection's numbers (top-k widths, slice and block
+/// sizes) compiled into its kernel (hierarchical_attention<Policy>) against
+/// the same config read at run time (hierarchical_decode), on the same
+/// cache, replays alternating in one run (bf16, head_dim 128): what the
+/// compile-time shape buys. same_kept: 1 where both kept the same slices.
+template <class Policy>
+void BM_step_shape(benchmark::State& state) {
+  using T = __nv_bfloat16;
+  constexpr SparseAttentionConfig cfg = Policy::config;
+  const int batch = static_cast<int>(state.range(0));
+  const auto context = static_cast<std::int32_t>(state.range(1));
+  const int copies = step_copies(cfg, batch, context, 128, 2);
+  decode_fixture<T> fx(cfg, batch, context, 128, copies);
+  cudaStream_t stream = nullptr;
+  HISPARSE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  bench::event_timer timer;
+  std::vector<std::unique_ptr<hierarchical_decode<T>>> runtime;
+  std::vector<std::unique_ptr<hierarchical_attention<Policy>>> fixed;
+  std::vector<std::unique_ptr<device_array<char>>> workspaces;
+  auto plan = [&](auto& op, int r) {
+    std::size_t bytes = 0;
+    throw_if_error(op.workspace_bytes(fx.arguments(r), bytes));
+    workspaces.push_back(std::make_unique<device_array<char>>(bytes));
+    throw_if_error(op.plan(fx.arguments(r), workspaces.back()->ptr, bytes, stream));
+  };
+  for (int r = 0; r < copies; ++r) {
+    runtime.push_back(std::make_unique<hierarchical_decode<T>>(cfg));
+    plan(*runtime.back(), r);
+    fixed.push_back(std::make_unique<hierarchical_attention<Policy>>());
+    plan(*fixed.back(), r);
+  }
+  const int launches = std::max(kReplays, copies);
+  auto graph = [&](auto& ops, bool selection_only) {
+    return std::make_unique<replay_graph>(stream, launches, [&](cudaStream_t s, int i) {
+      auto& op = *ops[static_cast<std::size_t>(i % copies)];
+      throw_if_error(selection_only ? op.run_selection(s) : op.run(s));
+    });
+  };
+  const auto step_runtime = graph(runtime, false), step_fixed = graph(fixed, false);
+  const auto sel_runtime = graph(runtime, true), sel_fixed = graph(fixed, true);
+  std::vector<double> t_fixed, t_runtime, s_fixed, s_runtime;
+  for (auto _ : state) {
+    t_fixed.push_back(step_fixed->step_seconds(timer, stream));
+    t_runtime.push_back(step_runtime->step_seconds(timer, stream));
+    s_fixed.push_back(sel_fixed->step_seconds(timer, stream));
+    s_runtime.push_back(sel_runtime->step_seconds(timer, stream));
+    state.SetIterationTime(t_fixed.back() * launches);
+  }
+  // The kept slices of copy 0 from one more step of each.
+  throw_if_error(fixed[0]->run(stream));
+  throw_if_error(runtime[0]->run(stream));
+  HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const std::size_t n = static_cast<std::size_t>(batch) * kKvHeads * cfg.top_k_fine;
+  std::vector<std::int32_t> kept_fixed(n), kept_runtime(n);
+  HISPARSE_CUDA_CHECK(cudaMemcpy(kept_fixed.data(), fixed[0]->kept_slices(), n * 4, cudaMemcpyDeviceToHost));
+  HISPARSE_CUDA_CHECK(cudaMemcpy(kept_runtime.data(), runtime[0]->kept_slices(), n * 4, cudaMemcpyDeviceToHost));
+  state.counters["step_us"] = bench::median(t_fixed) * 1e6;
+  state.counters["runtime_step_us"] = bench::median(t_runtime) * 1e6;
+  state.counters["selection_us"] = bench::median(s_fixed) * 1e6;
+  state.counters["runtime_selection_us"] = bench::median(s_runtime) * 1e6;
+  state.counters["step_gain"] = bench::median(t_runtime) / bench::median(t_fixed);
+  state.counters["same_kept"] = kept_fixed == kept_runtime ? 1 : 0;
+  HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+using standard_policy = selection_policy<kBuiltinPresets[0].config>;
+using key_bounds_both_policy = selection_policy<kBuiltinPresets[5].config>;
+static_assert(kBuiltinPresets[0].id == preset_id::standard && kBuiltinPresets[5].id == preset_id::key_bounds_both);
+
 inline constexpr tile_policy kTile64x4x2{1, 64, 4, 2};
 inline constexpr tile_policy kTile64x4x3{1, 64, 4, 3};
 inline constexpr tile_policy kTile64x4x4{1, 64, 4, 4};
@@ -774,6 +843,10 @@ HISPARSE_TILE_SWEEP(kTile64x4x3);
 HISPARSE_TILE_SWEEP(kTile64x4x4);
 HISPARSE_TILE_SWEEP(kTile32x2x4);
 HISPARSE_TILE_SWEEP(kTile128x8x2);
+BENCHMARK_TEMPLATE(BM_step_shape, standard_policy)->ArgNames({"B", "T"})->ArgsProduct({{1, 8, 32}, {32768, 262144}})
+    ->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK_TEMPLATE(BM_step_shape, key_bounds_both_policy)->ArgNames({"B", "T"})->ArgsProduct({{8}, {262144}})
+    ->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 int main(int argc, char** argv) {
   bench::sweep defaults;

@@ -150,6 +150,32 @@ TEST_CASE("selection policies carry the config as compile-time values", "[policy
   CHECK(preset_registry{}.get(preset_id::standard) == p::config);
 }
 
+TEST_CASE("a policy's selection shape fixes its widths and sizes, and matches only its own numbers", "[policy]") {
+  using shape = policy_shape<default_selection_policy>;
+  STATIC_REQUIRE(shape::kTopKCoarse == 32);
+  STATIC_REQUIRE(shape::kTopKFine == 16);
+  STATIC_REQUIRE(shape::kFineSlice == 64);
+  STATIC_REQUIRE(shape::kCoarseBlock == 1024);
+  STATIC_REQUIRE_FALSE(shape::kDynamic);
+  STATIC_REQUIRE(dynamic_selection_shape::kDynamic);
+  SparseAttentionConfig c{};
+  CHECK(shape::matches(c));
+  CHECK(dynamic_selection_shape::matches(c));
+  c.window = 2048;  // not part of the shape
+  CHECK(shape::matches(c));
+  for (auto change : {+[](SparseAttentionConfig& x) { x.top_k_coarse = 64; },
+                      +[](SparseAttentionConfig& x) { x.top_k_fine = 8; },
+                      +[](SparseAttentionConfig& x) { x.fine_slice = 32; },
+                      +[](SparseAttentionConfig& x) { x.coarse_block = 2048; }}) {
+    SparseAttentionConfig other{};
+    change(other);
+    CHECK_FALSE(shape::matches(other));
+    CHECK(dynamic_selection_shape::matches(other));
+  }
+  // Only the fixed fields are compared.
+  CHECK(selection_shape<0, 8>::matches(SparseAttentionConfig{512, 1024, 64, 64, 8, 64}));
+}
+
 TEST_CASE("dispatch maps a built-in preset id to its compile-time policy", "[policy]") {
   for (const auto& preset : kBuiltinPresets) {
     INFO(preset.name);

@@ -11,11 +11,11 @@
 // step captures into a CUDA graph and replays with new queries, slots and
 // lengths in the same device buffers.
 //
-// `hierarchical_decode<T, Tile>` takes the config at run time (the kernels
-// take the config's sizes as parameters: the numbers of blocks and slices
-// vary per sequence anyway, so compiling them in would buy nothing);
+// `hierarchical_decode<T, Tile>` takes the config at run time (the
+// selection kernel reads its sizes and widths as parameters);
 // `hierarchical_attention<Selection, Tile, T>` fixes it at compile time from
-// a selection policy and checks it there.
+// a selection policy, checks it there, and runs a selection kernel built
+// for the policy's numbers (policy_shape).
 
 #include <algorithm>
 #include <array>
@@ -89,7 +89,10 @@ attention::decode_attention_arguments<T, KV> dense_attention_arguments(const dec
 }
 }  // namespace detail
 
-template <class T, tile_policy Tile = attention::kDecodeTile, class KV = T>
+/// Shape: the selection kernel's compile-time numbers (selection_shape; a
+/// config that does not match them is refused at run), or the dynamic
+/// shape, whose kernel reads them at run time.
+template <class T, tile_policy Tile = attention::kDecodeTile, class KV = T, class Shape = dynamic_selection_shape>
 class hierarchical_decode {
   static_assert(valid_decode_tile_v<Tile>);
 
@@ -217,7 +220,10 @@ class hierarchical_decode {
     auto selection = selection_arguments(args_);
     selection.max_shared_carveout = max_shared_carveout;
     selection.dependents = dependents;
-    return select::select_decode_async(cfg_, selection, selection_output(), stream);
+    if constexpr (Shape::kDynamic)
+      return select::select_decode_async(cfg_, selection, selection_output(), stream);
+    else
+      return select::select_decode_fixed_async<Shape>(cfg_, selection, selection_output(), stream);
   }
   status launch_attention(cudaStream_t stream, bool overlap_previous) const {
     if (!planned_) return fail(status::invalid_argument, "hierarchical decode: run before plan");
@@ -347,14 +353,14 @@ class hierarchical_decode {
 /// invalid policy does not compile (selection_policy's static check).
 template <class Selection = default_selection_policy, tile_policy Tile = attention::kDecodeTile,
           class T = __nv_bfloat16>
-class hierarchical_attention : public hierarchical_decode<T, Tile> {
+class hierarchical_attention : public hierarchical_decode<T, Tile, T, policy_shape<Selection>> {
   static_assert(is_selection_policy<Selection>::value, "hierarchical_attention takes a selection_policy");
   static_assert(valid_decode_tile_v<Tile>);
 
  public:
   using selection = Selection;
   static constexpr SparseAttentionConfig config_value = Selection::config;
-  hierarchical_attention() : hierarchical_decode<T, Tile>(Selection::config) {}
+  hierarchical_attention() : hierarchical_decode<T, Tile, T, policy_shape<Selection>>(Selection::config) {}
 };
 
 /// The dense baseline with the same plan/run protocol: the attention kernel

@@ -206,7 +206,8 @@ __device__ void write_reused_selection(const decode_params<Q>& p, std::int64_t a
 /// CoarseBounds: the coarse stage scores the blocks' key bounds
 /// (coarse_summary key_bounds; built with Fine = key_bounds only, whose
 /// slice bounds make the partial block's range), else their means.
-template <class Q, int D, int S, bool Wide, fine_summary Fine, bool CoarseBounds = false>
+template <class Q, int D, int S, bool Wide, fine_summary Fine, bool CoarseBounds = false,
+          class Shape = dynamic_selection_shape>
 __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_selection_kernel(const __grid_constant__ decode_params<Q> p) {
   using SumT = typename kv::fine_summary_traits<Fine>::element;
   using cluster = cluster_ops<S>;
@@ -255,7 +256,10 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   }
   const std::int64_t seq_layer = in.seq_layer(seq, in.layer);
   const std::int32_t length = in.lengths[seq_layer];
-  const int F = in.fine_slice, C = in.coarse_block, spb = C / F;
+  const int F = Shape::kFineSlice ? Shape::kFineSlice : in.fine_slice;
+  const int C = Shape::kCoarseBlock ? Shape::kCoarseBlock : in.coarse_block, spb = C / F;
+  const int top_k_coarse = Shape::kTopKCoarse ? Shape::kTopKCoarse : p.top_k_coarse;
+  const int top_k_fine = Shape::kTopKFine ? Shape::kTopKFine : p.top_k_fine;
   // Step 1 for M = 1: the query sits at length - 1.
   const std::int32_t ws = contract::window_begin(length - 1, p.window, F);
   const std::int32_t far_slices = contract::far_slices(ws, F);
@@ -271,7 +275,7 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   std::int32_t* entry = p.cached ? in.topk_entry(seq_layer, h) : nullptr;
   if (p.cached) {  // uniform
     __shared__ float reuse_red[3 * kSelectWarps];
-    if (reuse_topk_entry<D>(entry, length - 1, p.refresh, p.fingerprint, p.top_k_fine, in.topk.query_offset(), my_q,
+    if (reuse_topk_entry<D>(entry, length - 1, p.refresh, p.fingerprint, top_k_fine, in.topk.query_offset(), my_q,
                             reuse_red)) {
       if (writer) write_reused_selection(p, at, entry);
       cluster::wait();  // the arrive above; nobody touches another CTA's shared memory
@@ -316,7 +320,7 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   }
   // Blocks ranked by counting (count_top_k): the mask their bits go to
   // starts empty.
-  const bool count_blocks = blocks > p.top_k_coarse && blocks <= kSelectThreads * S;
+  const bool count_blocks = blocks > top_k_coarse && blocks <= kSelectThreads * S;
   if (count_blocks)
     for (int w = t; w < (blocks + 31) / 32; w += kSelectThreads) kept_mask[w] = 0u;
 
@@ -354,25 +358,25 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   std::int32_t* entry_kept = p.cached ? entry + kv::topk_cache_ref::kept_offset() : nullptr;
 
   int kept = 0;
-  float* out_block_scores = writer && p.out.block_scores ? p.out.block_scores + at * p.top_k_coarse : nullptr;
-  std::int32_t* out_blocks = writer && p.out.kept_blocks ? p.out.kept_blocks + at * p.top_k_coarse : nullptr;
+  float* out_block_scores = writer && p.out.block_scores ? p.out.block_scores + at * top_k_coarse : nullptr;
+  std::int32_t* out_blocks = writer && p.out.kept_blocks ? p.out.kept_blocks + at * top_k_coarse : nullptr;
   auto emit_block = [&](int pos, int block) {
     kept_blocks[pos] = block;
     if (out_blocks) out_blocks[pos] = block;
     if (out_block_scores) out_block_scores[pos] = coarse_scores[block];
   };
   if (count_blocks) {  // uniform across the cluster
-    kept = count_top_k<S>(coarse_scores, keys, blocks, p.top_k_coarse, kept_mask, emit_block);
-  } else if (blocks > 0 && blocks <= p.top_k_coarse) {  // every block kept
+    kept = count_top_k<S>(coarse_scores, keys, blocks, top_k_coarse, kept_mask, emit_block);
+  } else if (blocks > 0 && blocks <= top_k_coarse) {  // every block kept
     for (int i = t; i < blocks; i += kSelectThreads) emit_block(i, i);
     kept = blocks;
     __syncthreads();
   } else if (blocks > 0) {
-    mark_top_k<Wide>(coarse_scores, blocks, p.top_k_coarse, keep, keys, temp);
+    mark_top_k<Wide>(coarse_scores, blocks, top_k_coarse, keep, keys, temp);
     kept = compact_marked<kMaxCandidates>(keep, blocks, temp.scan, emit_block);
   }
   if (out_blocks)
-    for (int i = kept + t; i < p.top_k_coarse; i += kSelectThreads) {
+    for (int i = kept + t; i < top_k_coarse; i += kSelectThreads) {
       out_blocks[i] = -1;
       if (out_block_scores) out_block_scores[i] = -__int_as_float(0x7f800000);
     }
@@ -399,9 +403,9 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   using batch_t = row_batch<D, S, SumT>;
   constexpr int kFineStep = batch_t::kStride * batch_t::kRows;
   const int fine_groups = (candidates + kFineStep - 1) / kFineStep * (S * kSelectWarps);
-  const bool by_warp = fits_warp_rank(candidates, p.top_k_fine);
-  const bool by_groups = !by_warp && candidates > p.top_k_fine && candidates <= kFilterMaxCandidates &&
-                         p.top_k_fine <= kFilterMaxK && fine_groups >= 2 * p.top_k_fine &&
+  const bool by_warp = fits_warp_rank(candidates, top_k_fine);
+  const bool by_groups = !by_warp && candidates > top_k_fine && candidates <= kFilterMaxCandidates &&
+                         top_k_fine <= kFilterMaxK && fine_groups >= 2 * top_k_fine &&
                          fine_groups <= kSelectThreads;
   topk_key batch_max = kNoCandidate;
   const SumT* fine_base = in.template rows<Fine>() + slice_offset;
@@ -427,8 +431,8 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   if (!writer) return;
   cluster::wait();
 
-  std::int32_t* out_slices = p.out.kept_slices + at * p.top_k_fine;
-  float* out_slice_scores = p.out.slice_scores ? p.out.slice_scores + at * p.top_k_fine : nullptr;
+  std::int32_t* out_slices = p.out.kept_slices + at * top_k_fine;
+  float* out_slice_scores = p.out.slice_scores ? p.out.slice_scores + at * top_k_fine : nullptr;
   auto emit_slice = [&](int pos, int c) {
     out_slices[pos] = slice_of(c);
     if (entry_kept) entry_kept[pos] = slice_of(c);
@@ -441,13 +445,13 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
     // It writes num_slices itself, before the barrier (sooner than at the
     // common end below).
     if (t < 32) {
-      const int n = warp_rank_filter(fine_scores, candidates, p.top_k_fine, keys);
+      const int n = warp_rank_filter(fine_scores, candidates, top_k_fine, keys);
       if (t == 0) fine_survivors = n;
       if (n <= kWarpRankSurvivors) {
-        warp_rank_place(keys, n, p.top_k_fine, emit_slice);
+        warp_rank_place(keys, n, top_k_fine, emit_slice);
         if (t == 0) {
-          p.out.num_slices[at] = p.top_k_fine;
-          if (entry) entry[1] = p.top_k_fine;
+          p.out.num_slices[at] = top_k_fine;
+          if (entry) entry[1] = top_k_fine;
         }
       }
     }
@@ -455,14 +459,14 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
     if (fine_survivors <= kWarpRankSurvivors) return;
   }
   if (by_groups) {  // uniform across the CTA
-    top_k_of_groups(fine_scores, candidates, p.top_k_fine, fine_group_max, fine_groups, keys, temp.filter,
+    top_k_of_groups(fine_scores, candidates, top_k_fine, fine_group_max, fine_groups, keys, temp.filter,
                     emit_slice);
-    kept_slices = p.top_k_fine;
+    kept_slices = top_k_fine;
   } else if (candidates > 0) {  // by_warp's fallback too
-    mark_top_k<Wide>(fine_scores, candidates, p.top_k_fine, keep, keys, temp);
+    mark_top_k<Wide>(fine_scores, candidates, top_k_fine, keep, keys, temp);
     kept_slices = compact_marked<kMaxCandidates>(keep, candidates, temp.scan, emit_slice);
   }
-  for (int i = kept_slices + t; i < p.top_k_fine; i += kSelectThreads) {
+  for (int i = kept_slices + t; i < top_k_fine; i += kSelectThreads) {
     out_slices[i] = -1;
     if (out_slice_scores) out_slice_scores[i] = -__int_as_float(0x7f800000);
   }
@@ -546,13 +550,13 @@ status launch_selection_kernel(const decode_params<Q>& p, int kv_heads, int batc
   return status::success;
 }
 
-template <class Q, int D, int S>
+template <class Q, int D, int S, class Shape = dynamic_selection_shape>
 status launch_selection(const decode_params<Q>& p, bool wide, fine_summary fine, bool coarse_bounds, int kv_heads,
                         int batch, cudaStream_t stream) {
   auto launch = [&](auto k, auto bounds) {
-    return wide ? launch_selection_kernel<Q, D, S, &decode_selection_kernel<Q, D, S, true, k(), bounds()>>(
+    return wide ? launch_selection_kernel<Q, D, S, &decode_selection_kernel<Q, D, S, true, k(), bounds(), Shape>>(
                       p, kv_heads, batch, stream)
-                : launch_selection_kernel<Q, D, S, &decode_selection_kernel<Q, D, S, false, k(), bounds()>>(
+                : launch_selection_kernel<Q, D, S, &decode_selection_kernel<Q, D, S, false, k(), bounds(), Shape>>(
                       p, kv_heads, batch, stream);
   };
   return dispatch_fine_summary(fine, [&](auto k) {
@@ -562,10 +566,11 @@ status launch_selection(const decode_params<Q>& p, bool wide, fine_summary fine,
   });
 }
 
-template <class Q, int D>
+template <class Q, int D, class Shape = dynamic_selection_shape>
 status launch_selection(const decode_params<Q>& p, bool wide, fine_summary fine, bool coarse_bounds, int kv_heads,
                         int batch, cudaStream_t stream) {
-  if (!p.in.use_clusters) return launch_selection<Q, D, 1>(p, wide, fine, coarse_bounds, kv_heads, batch, stream);
+  if (!p.in.use_clusters)
+    return launch_selection<Q, D, 1, Shape>(p, wide, fine, coarse_bounds, kv_heads, batch, stream);
   // Clusters where the loaded build is sm_90 or newer (a build without sm_90
   // code runs the single-CTA kernel on an H100). The narrow and wide kernels
   // are built for the same architectures.
@@ -574,8 +579,8 @@ status launch_selection(const decode_params<Q>& p, bool wide, fine_summary fine,
     void (*kernel)(decode_params<Q>) = &decode_selection_kernel<Q, D, kSelectCluster, false, fine_summary::mean>;
     return hisparse::detail::kernel_built_for_sm90(reinterpret_cast<const void*>(kernel));
   });
-  return clusters ? launch_selection<Q, D, kSelectCluster>(p, wide, fine, coarse_bounds, kv_heads, batch, stream)
-                  : launch_selection<Q, D, 1>(p, wide, fine, coarse_bounds, kv_heads, batch, stream);
+  return clusters ? launch_selection<Q, D, kSelectCluster, Shape>(p, wide, fine, coarse_bounds, kv_heads, batch, stream)
+                  : launch_selection<Q, D, 1, Shape>(p, wide, fine, coarse_bounds, kv_heads, batch, stream);
 }
 
 /// The checks decode and prefill selection share: the layer, and that the
@@ -670,10 +675,15 @@ template <class Q>
 
 /// One decode step's selection for a batch: one launch, no sync, no
 /// allocation (capturable in a CUDA graph with slots and lengths as inputs).
-template <class Q>
-[[nodiscard]] status select_decode_async(const SparseAttentionConfig& cfg, const decode_selection_arguments<Q>& a,
-                                         const decode_selection_output& out, cudaStream_t stream = nullptr) {
+/// Shape: the kernel's compile-time numbers (selection_shape); a config
+/// they do not match is invalid_argument.
+template <class Shape, class Q>
+[[nodiscard]] status select_decode_fixed_async(const SparseAttentionConfig& cfg, const decode_selection_arguments<Q>& a,
+                                               const decode_selection_output& out, cudaStream_t stream = nullptr) {
   HISPARSE_TRY(can_implement_decode_selection(cfg, a, out));
+  if (!Shape::matches(cfg))
+    return fail(status::invalid_argument, "decode selection: the config's top-k widths or slice/block sizes differ "
+                                          "from the kernel's compile-time shape");
   const bool wide = detail::wide_selection(cfg, a.max_blocks);
   detail::selection_smem smem = detail::plan_selection_smem(cfg, a.max_blocks, wide);
   smem.partial = smem.bytes;
@@ -688,9 +698,17 @@ template <class Q>
                                    !cfg.refresh.every_step(),
                                    detail::selection_fingerprint(cfg)};
   return dispatch_head_dim(a.head_dim, [&](auto d) {
-    return detail::launch_selection<Q, d()>(p, wide, cfg.fine_summary, cfg.coarse_summary == coarse_summary::key_bounds,
-                                            a.kv_heads, a.batch, stream);
+    return detail::launch_selection<Q, d(), Shape>(p, wide, cfg.fine_summary,
+                                                   cfg.coarse_summary == coarse_summary::key_bounds, a.kv_heads,
+                                                   a.batch, stream);
   });
+}
+
+/// The same for any config: the kernel reads the numbers at run time.
+template <class Q>
+[[nodiscard]] status select_decode_async(const SparseAttentionConfig& cfg, const decode_selection_arguments<Q>& a,
+                                         const decode_selection_output& out, cudaStream_t stream = nullptr) {
+  return select_decode_fixed_async<dynamic_selection_shape>(cfg, a, out, stream);
 }
 
 /// The selection stage as a component (DESIGN.md section 2): a policy fixes
@@ -706,7 +724,7 @@ struct decode_selection {
   [[nodiscard]] static constexpr std::size_t workspace_bytes(const arguments&) { return 0; }
   [[nodiscard]] static status run(const arguments& a, const decode_selection_output& out,
                                   cudaStream_t stream = nullptr) {
-    return select_decode_async(config, a, out, stream);
+    return select_decode_fixed_async<policy_shape<Policy>>(config, a, out, stream);
   }
 };
 
