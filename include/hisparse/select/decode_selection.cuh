@@ -312,12 +312,9 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   const float* partial_first = slice_base + std::int64_t{whole} * spb * head_stride;
   const std::uint32_t* partial_bounds =
       CoarseBounds ? slice_bounds_base + std::int64_t{whole} * spb * head_stride : nullptr;
-  if (partial_warp) {
-    if constexpr (CoarseBounds)
-      prefetch_rows<D>(partial_bounds, head_stride, partial_rows);
-    else
-      stage_summed_row<D>(staged, partial_first, head_stride, partial_rows);
-  }
+  if (partial_warp)
+    stage_summed_row<D>(staged, CoarseBounds ? reinterpret_cast<const float*>(partial_bounds) : partial_first,
+                        head_stride, partial_rows);
   // Blocks ranked by counting (count_top_k): the mask their bits go to
   // starts empty.
   const bool count_blocks = blocks > top_k_coarse && blocks <= kSelectThreads * S;
@@ -333,7 +330,7 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
     score_rows<D, S, std::uint32_t>(
         whole, qsum, [](int r) { return r; }, block_bounds_row, 1.0f, store_block, [](int) {});
     if (partial_warp)
-      score_bounds_union<D>(partial_bounds, head_stride, partial_rows, qsum,
+      score_bounds_union<D>(staged, partial_bounds, head_stride, partial_rows, qsum,
                             [&](float s) { store_block(whole, s); });
   } else {
     score_rows<D, S>(

@@ -276,13 +276,29 @@ __device__ __forceinline__ void score_rows(int count, const float* qsum, Index i
   }
 }
 
+/// Loads this lane's kPer consecutive floats of a row staged in shared memory.
+template <int kPer>
+__device__ __forceinline__ void load_staged_lane(const float* row, float (&v)[kPer]) {
+  if constexpr (kPer == 2) {
+    const float2 x = *reinterpret_cast<const float2*>(row);
+    v[0] = x.x, v[1] = x.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < kPer; i += 4) {
+      const float4 x = *reinterpret_cast<const float4*>(row + i);
+      v[i] = x.x, v[i + 1] = x.y, v[i + 2] = x.z, v[i + 3] = x.w;
+    }
+  }
+}
+
 inline constexpr int kPartialBytes = tuning::kPartialBytes;
 template <int D>
 inline constexpr int kPartialRows = kPartialBytes / (D * 4);
 
 /// Starts copying the first min(n, kPartialRows) of the n rows at rows + j *
 /// stride into `staged` (the calling warp's lanes split the 16-byte chunks)
-/// and prefetches the rest into L2; score_summed_row waits for them.
+/// and prefetches the rest into L2; score_summed_row (or, for key_bounds
+/// rows, score_bounds_union) waits for them.
 template <int D>
 __device__ void stage_summed_row(float* staged, const float* rows, std::int64_t stride, int n) {
   constexpr int kChunks = D / 4;
@@ -315,16 +331,10 @@ __device__ void score_summed_row(const float* staged, const float* rows, std::in
   ptx::cp_async_wait<0>();
   __syncwarp();  // every lane's chunks are in
   for (int j = 0; j < in_smem; ++j) {
-    if constexpr (kPer == 2) {
-      const float2 x = *reinterpret_cast<const float2*>(staged + j * D + lane * kPer);
-      v[0] += x.x, v[1] += x.y;
-    } else {
+    float x[kPer];
+    load_staged_lane<kPer>(staged + j * D + lane * kPer, x);
 #pragma unroll
-      for (int i = 0; i < kPer; i += 4) {
-        const float4 x = *reinterpret_cast<const float4*>(staged + j * D + lane * kPer + i);
-        v[i] += x.x, v[i + 1] += x.y, v[i + 2] += x.z, v[i + 3] += x.w;
-      }
-    }
+    for (int i = 0; i < kPer; ++i) v[i] += x[i];
   }
   for (int j0 = in_smem; j0 < n; j0 += kRowsInFlight) {
     float w[kRowsInFlight][kPer];
@@ -343,23 +353,16 @@ __device__ void score_summed_row(const float* staged, const float* rows, std::in
   if (lane == 0) store(s * scale);
 }
 
-/// Sends the n rows of D 4-byte words at rows + j * stride towards L2 (the
-/// calling warp's lanes split their 128-byte lines).
-template <int D>
-__device__ __forceinline__ void prefetch_rows(const std::uint32_t* rows, std::int64_t stride, int n) {
-  constexpr int kLines = D * 4 / 128;
-  for (int l = static_cast<int>(threadIdx.x & 31); l < n * kLines; l += 32)
-    ptx::prefetch_l2(rows + (l / kLines) * stride + l % kLines * 32);
-}
-
 /// Scores, on the calling warp, the key range that is the union of the n
 /// key_bounds rows at rows + j * stride (the partial block's far slices,
 /// coarse_summary key_bounds), through a whole row's arithmetic
 /// (lane_bounds, then the warp sum): a range scores the same whether it
-/// was stored or combined here. `store(score)` runs in lane 0.
+/// was stored or combined here. The first kPartialRows rows come from
+/// `staged` (after stage_summed_row on the same rows), the rest from global
+/// memory. `store(score)` runs in lane 0.
 template <int D, class Store>
-__device__ void score_bounds_union(const std::uint32_t* rows, std::int64_t stride, int n, const float* qsum,
-                                   Store store) {
+__device__ void score_bounds_union(const float* staged, const std::uint32_t* rows, std::int64_t stride, int n,
+                                   const float* qsum, Store store) {
   constexpr int kPer = D / 32;
   constexpr int kRowsInFlight = 32 / kPer;  // 128 bytes of loads in flight per lane
   const int lane = threadIdx.x & 31;
@@ -368,20 +371,31 @@ __device__ void score_bounds_union(const std::uint32_t* rows, std::int64_t strid
   float lo[kPer], hi[kPer];
 #pragma unroll
   for (int i = 0; i < kPer; ++i) lo[i] = INFINITY, hi[i] = -INFINITY;
+  auto unite = [&](const float (&x)[kPer]) {
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      lo[i] = nan_min(lo[i], key_bounds_lo(__float_as_uint(x[i])));
+      hi[i] = nan_max(hi[i], key_bounds_hi(__float_as_uint(x[i])));
+    }
+  };
+  const int in_smem = min(n, kPartialRows<D>);
+  ptx::cp_async_wait<0>();
+  __syncwarp();  // every lane's chunks are in
 #pragma unroll 1
-  for (int j0 = 0; j0 < n; j0 += kRowsInFlight) {
+  for (int j = 0; j < in_smem; ++j) {
+    float x[kPer];
+    load_staged_lane<kPer>(staged + j * D + lane * kPer, x);
+    unite(x);
+  }
+#pragma unroll 1
+  for (int j0 = in_smem; j0 < n; j0 += kRowsInFlight) {
     float x[kRowsInFlight][kPer];
 #pragma unroll
     for (int j = 0; j < kRowsInFlight; ++j)
       if (j0 + j < n) load_lane<kPer>(rows + (j0 + j) * stride + lane * kPer, x[j]);
 #pragma unroll
     for (int j = 0; j < kRowsInFlight; ++j)
-      if (j0 + j < n)
-#pragma unroll
-        for (int i = 0; i < kPer; ++i) {
-          lo[i] = nan_min(lo[i], key_bounds_lo(__float_as_uint(x[j][i])));
-          hi[i] = nan_max(hi[i], key_bounds_hi(__float_as_uint(x[j][i])));
-        }
+      if (j0 + j < n) unite(x[j]);
   }
   float w[kPer];
 #pragma unroll
