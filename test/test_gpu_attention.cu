@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <set>
 #include <vector>
 
 #include "attention_oracle.hpp"
@@ -256,11 +257,14 @@ inline bool near_tie(const reference::scored_selection& s) {
 /// only where the reference's block or slice boundary is a near-tie (two
 /// such ties in one call are rare, not impossible: a count of differences
 /// allowed would fail then).
+/// `evicted`: per sequence, the blocks a retention dropped (ascending).
 template <class T>
-void check_selection_matches_reference(const test::problem<T>& p, const step_output& g) {
+void check_selection_matches_reference(const test::problem<T>& p, const step_output& g,
+                                       const std::vector<std::vector<std::int32_t>>* evicted = nullptr) {
   const int Hkv = p.shape.num_kv_heads, kf = p.cfg.top_k_fine;
   for (int b = 0; b < static_cast<int>(p.lengths.size()); ++b) {
-    const auto r = reference::decode(p.cfg, p.shape, p.sequence(b));
+    const auto r = evicted != nullptr ? reference::decode(p.cfg, p.shape, p.sequence(b), (*evicted)[b])
+                                      : reference::decode(p.cfg, p.shape, p.sequence(b));
     REQUIRE(g.window[static_cast<std::size_t>(b)] == r.tiles.at(0).window_begin);
     for (int h = 0; h < Hkv; ++h) {
       const auto at = static_cast<std::size_t>(b * Hkv + h);
@@ -1158,6 +1162,109 @@ TEST_CASE("offloaded slices: the step reads them from pinned host memory and giv
   HISPARSE_CUDA_CHECK(cudaGraphExecDestroy(exec));
   HISPARSE_CUDA_CHECK(cudaGraphDestroy(graph));
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST_CASE("retention: evicted far blocks leave the pool, and a step keeps only resident slices, as the reference says",
+          "[gpu][attention][retention]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  mr::device_pool_resource device;
+  // 67, 97 and 38 far blocks (ws 69440, 99456, 39488); the last keeps
+  // exactly top_k_coarse once six go.
+  auto p = test::make_problem<__nv_bfloat16>({32, 8, 128}, SparseAttentionConfig{}, {70001, 100003, 40000}, seed);
+  const SparseAttentionConfig cfg = p.cfg;
+  const int B = 3, spb = cfg.slices_per_block();
+  auto o = test::cache_options(p, 100003);
+  o.topk_cache_slices = cfg.top_k_fine;  // evict_async must empty a pair's entries
+  kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, o);
+  const auto slots = test::fill(p, cache);
+  const auto full = run_step(p, cache, slots);
+
+  // A step with a TopK cache writes the entries; the same query reuses them.
+  auto cached = p;
+  cached.cfg.refresh = refresh_rule{64, -1.0f};
+  (void)run_step(cached, cache, slots);
+  for (const auto r : run_step(cached, cache, slots).refreshed) REQUIRE(r == 0);
+
+  // What goes: every block holding a slice KV head 0 kept (so the selection
+  // must change), then random far blocks, down to top_k_coarse + 3 far
+  // blocks resident (sequence 2: exactly top_k_coarse).
+  workload::splitmix64 rng(seed + 3);
+  std::vector<std::vector<std::int32_t>> evicted(B);
+  for (int b = 0; b < B; ++b) {
+    const auto far = contract::evictable_blocks<std::int64_t>(p.lengths[b], cfg.window, cfg.fine_slice, cfg.coarse_block);
+    const std::int64_t go = b == 2 ? far - cfg.top_k_coarse : far - cfg.top_k_coarse - 3;
+    std::set<std::int32_t> pick;
+    const std::size_t row = static_cast<std::size_t>(b) * 8 * cfg.top_k_fine;
+    for (int i = 0; i < full.num[static_cast<std::size_t>(b) * 8]; ++i)
+      if (static_cast<std::int64_t>(pick.size()) < go) pick.insert(full.kept[row + i] / spb);
+    while (static_cast<std::int64_t>(pick.size()) < go) pick.insert(static_cast<std::int32_t>(rng.next() % far));
+    evicted[b].assign(pick.begin(), pick.end());
+  }
+  std::vector<kv::block_list> lists;
+  for (int b = 0; b < B; ++b) lists.push_back({slots[b], 0, evicted[b]});
+  const std::int64_t pages = cache.pool().pages_used();
+
+  SECTION("refused, and nothing changes") {
+    auto refused = [&](std::vector<kv::block_list> l, const SparseAttentionConfig& c, const char* why) {
+      INFO(why);
+      REQUIRE(cache.evict_async(l, c, nullptr) == status::invalid_argument);
+      CHECK_THAT(last_error(), Catch::Contains(why));
+      REQUIRE(cache.pool().pages_used() == pages);
+    };
+    const std::vector<std::int32_t> partial{67}, one_more{0, 1, 2, 3, 4, 5, 6};
+    refused({lists[0], {slots[0], 0, partial}}, cfg, "listed twice");
+    refused({{slots[0], 0, partial}}, cfg, "not far from its decode window");  // holds ws's block
+    refused({{slots[2], 0, one_more}}, cfg, "fewer than top_k_coarse");
+    auto other = cfg;
+    other.fine_slice = 32;
+    refused({lists[0]}, other, "slice/block sizes");
+    for (int b = 0; b < B; ++b) REQUIRE(cache.residency_of(slots[b], 0).evicted_slices() == 0);
+  }
+
+  SECTION("the step attends resident slices only, as the reference with those blocks dropped") {
+    REQUIRE(cache.evict_async(lists, cfg, nullptr) == status::success);
+    std::int64_t dropped = 0;
+    for (int b = 0; b < B; ++b) {
+      dropped += static_cast<std::int64_t>(evicted[b].size()) * spb;
+      REQUIRE(cache.residency_of(slots[b], 0).evicted_slices() == static_cast<std::int32_t>(evicted[b].size()) * spb);
+      for (const std::int32_t blk : evicted[b]) {
+        REQUIRE(cache.residency(slots[b], 0, blk * spb) == kv::page_residency::evicted);
+        REQUIRE(cache.residency(slots[b], 0, blk * spb + spb - 1) == kv::page_residency::evicted);
+      }
+    }
+    REQUIRE(cache.pool().pages_used() == pages - dropped);
+    // Listing them again changes nothing.
+    REQUIRE(cache.evict_async(lists, cfg, nullptr) == status::success);
+    REQUIRE(cache.pool().pages_used() == pages - dropped);
+
+    const auto g = run_step(p, cache, slots);
+    for (int b = 0; b < B; ++b)
+      for (int h = 0; h < 8; ++h) {
+        const auto at = static_cast<std::size_t>(b * 8 + h);
+        REQUIRE(g.num[at] == cfg.top_k_fine);
+        for (int i = 0; i < g.num[at]; ++i) {
+          const std::int32_t s = g.kept[at * cfg.top_k_fine + i];
+          REQUIRE_FALSE(std::binary_search(evicted[b].begin(), evicted[b].end(), s / spb));
+        }
+      }
+    REQUIRE(g.kept != full.kept);  // head 0's slices went
+    check_against_fp64(p, g, false);
+    check_selection_matches_reference(p, g, &evicted);
+    // The cached config's entries were emptied: every pair selects afresh,
+    // and keeps resident slices.
+    const auto again = run_step(cached, cache, slots);
+    for (const auto r : again.refreshed) REQUIRE(r == 1);
+    REQUIRE(again.kept == g.kept);
+
+    // Freeing returns every page (evicted ones are already back).
+    REQUIRE(cache.free_sequence(slots[1]) == status::success);
+    REQUIRE(cache.free_sequence(slots[0]) == status::success);
+    REQUIRE(cache.free_sequence(slots[2]) == status::success);
+    HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
+    REQUIRE(cache.pool().pages_used() == 0);
+  }
 }
 
 TEST_CASE("operator adapter: init, forward by preset id, release", "[gpu][attention]") {

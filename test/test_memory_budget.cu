@@ -62,6 +62,21 @@ TEST_CASE("8 x 256K of the 7B model: pages, metadata and what a 48 GB card holds
   in.host_limit = std::size_t{100} << 30;  // FP8 with offload: ~80 GB on the host
   REQUIRE(plan_memory(in, f) == status::success);
   CHECK(f.fits_with_offload());
+  // Or FP8 with retention, no host tier: each (sequence, layer) keeps what
+  // its share of the device holds past the window's two blocks.
+  CHECK(f.near_slices == 32);
+  CHECK(f.retained_blocks_each() == (f.device_slices_each() - 32) / 16);
+  CHECK(f.retained_blocks_each() >= 32);
+  CHECK(f.fits_with_retention());
+  // bf16 keeps fewer, still above top_k_coarse; a quarter of the card does not.
+  CHECK(b.retained_blocks_each() >= 32);
+  CHECK(b.fits_with_retention());
+  in.elem_bytes = 2;
+  in.device_limit = std::size_t{12} << 30;
+  memory_budget q;
+  REQUIRE(plan_memory(in, q) == status::success);
+  CHECK(q.retained_blocks_each() < 32);
+  CHECK_FALSE(q.fits_with_retention());
 }
 
 TEST_CASE("the memory budget of a small model fits and sums its parts", "[runtime][budget]") {

@@ -36,6 +36,8 @@ struct fake_cache {
     const std::vector<where>* at;
     bool on_host(std::int32_t s) const { return (*at)[static_cast<std::size_t>(s)] == where::host; }
     std::int64_t host_slices() const { return std::count(at->begin(), at->end(), where::host); }
+    bool evicted(std::int32_t) const { return false; }
+    std::int64_t evicted_slices() const { return 0; }
   };
   std::int64_t tokens = 0;                           // every pair's length
   std::map<std::pair<int, int>, std::vector<where>> of;  // per (slot, layer): per complete slice

@@ -59,6 +59,16 @@ template <class I>
   return kept * slices_per_block - (past > 0 ? past : I{0});
 }
 
+/// The whole far blocks of a decode sequence of `length` tokens: blocks
+/// [0, n) end at or before the block holding the window's start ws (of the
+/// query at length - 1), so no later decode step's window, partial block
+/// or append reaches them. What retention may drop.
+template <class I>
+[[nodiscard]] HISPARSE_HOST_DEVICE constexpr I evictable_blocks(I length, int window, int fine_slice,
+                                                               int coarse_block) {
+  return length < 1 ? I{0} : window_begin(length - 1, window, fine_slice) / coarse_block;
+}
+
 /// The most slices one (decode query, KV head) attends: the kept slices and
 /// the window, which holds W to W + F - 1 tokens and starts on a slice
 /// boundary.

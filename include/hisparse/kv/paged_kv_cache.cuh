@@ -28,6 +28,7 @@
 #include <cuda_runtime_api.h>
 
 #include "hisparse/config.hpp"
+#include "hisparse/contract.hpp"
 #include "hisparse/core/dtype.hpp"
 #include "hisparse/core/status.hpp"
 #include "hisparse/kv/cache_footprint.hpp"
@@ -54,6 +55,13 @@ struct slice_list {
   int slot = 0;
   int layer = 0;
   std::span<const std::int32_t> slices;
+};
+
+/// Whole blocks of one (sequence, layer), for evict_async.
+struct block_list {
+  int slot = 0;
+  int layer = 0;
+  std::span<const std::int32_t> blocks;
 };
 
 namespace detail {
@@ -109,6 +117,29 @@ template <class T>
 __global__ void patch_table_kernel(const __grid_constant__ table_patch<T> p) {
   for (int i = static_cast<int>(threadIdx.x); i < p.count; i += static_cast<int>(blockDim.x))
     p.table[p.index[i]] = p.page[i];
+}
+
+/// Block summary rows an eviction turns to NaN: `count` blocks of `words`
+/// 4-byte words each, at sums + row[i] and (where the cache keeps block
+/// key bounds) bounds + row[i]. All-ones words: NaN as a float and as both
+/// halves of a key_bounds word.
+inline constexpr int kRowPoison = 128;
+struct row_poison {
+  float* sums;
+  std::uint32_t* bounds;
+  int words;
+  int count;
+  std::int64_t row[kRowPoison];
+};
+static_assert(sizeof(row_poison) <= 4000, "row_poison must fit the 4 KB kernel parameter space");
+
+template <class T>  // a template so that including the header compiles no kernel
+__global__ void poison_rows_kernel(const __grid_constant__ row_poison p) {
+  const std::int64_t at = p.row[blockIdx.x];
+  for (int w = static_cast<int>(threadIdx.x); w < p.words; w += static_cast<int>(blockDim.x)) {
+    p.sums[at + w] = __uint_as_float(0xffffffffu);
+    if (p.bounds != nullptr) p.bounds[at + w] = 0xffffffffu;
+  }
 }
 
 template <class T>
@@ -413,7 +444,9 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_con
 /// or pinned host memory (offload_async), which kernels read through its
 /// mapped address over PCIe: a step that keeps an offloaded slice reads the
 /// same bytes, only slower.
-enum class page_residency : std::uint8_t { device, host };
+/// Evicted: dropped by evict_async (retention); its page-table entry points
+/// at a page of NaN K/V and it is never attended again.
+enum class page_residency : std::uint8_t { device, host, evicted };
 
 template <class T, mr::resource Resource>
 class paged_kv_cache {
@@ -427,6 +460,7 @@ class paged_kv_cache {
   /// What appends take: T, or bf16 for fp8 pages (quantized by the append).
   using input_type = kv_input_t<T>;
   using slice_list = kv::slice_list;
+  using block_list = kv::block_list;
 
   paged_kv_cache(Resource& resource, const paged_kv_cache_options& o, cudaStream_t stream = nullptr)
       : resource_(&resource), opt_(validated(o)), pool_(resource, pool_options(opt_)), stream_(stream) {
@@ -494,6 +528,7 @@ class paged_kv_cache {
         slots_[i].pages.assign(static_cast<std::size_t>(opt_.num_layers), {});
         slots_[i].host.assign(static_cast<std::size_t>(opt_.num_layers), {});
         slots_[i].host_slices.assign(static_cast<std::size_t>(opt_.num_layers), 0);
+        slots_[i].evicted_slices.assign(static_cast<std::size_t>(opt_.num_layers), 0);
         slot = static_cast<int>(i);
         return status::success;
       }
@@ -509,7 +544,7 @@ class paged_kv_cache {
     auto& s = slots_[static_cast<std::size_t>(slot)];
     auto valid = [](const std::vector<page_id>& ids) {
       std::vector<page_id> v;
-      std::copy_if(ids.begin(), ids.end(), std::back_inserter(v), [](page_id id) { return id != kInvalidPage; });
+      std::copy_if(ids.begin(), ids.end(), std::back_inserter(v), [](page_id id) { return id >= 0; });
       return v;
     };
     for (auto& layer_pages : s.pages) {
@@ -521,6 +556,7 @@ class paged_kv_cache {
       layer_pages.clear();
     }
     std::fill(s.host_slices.begin(), s.host_slices.end(), 0);
+    std::fill(s.evicted_slices.begin(), s.evicted_slices.end(), 0);
     HISPARSE_CUDA_TRY(cudaMemsetAsync(lengths_ + std::int64_t{slot} * opt_.num_layers, 0,
                                       sizeof(std::int32_t) * static_cast<std::size_t>(opt_.num_layers), stream));
     // The slot's TopK entries empty too: the next sequence in it selects
@@ -712,6 +748,140 @@ class paged_kv_cache {
     return move_slices(lists, page_residency::device, stream);
   }
 
+  /// Drops whole far blocks of (sequence, layer) pairs for good (retention,
+  /// runtime/retention.hpp): their pages go back to the pool (or the host
+  /// tier), their page-table entries point at one page of NaN K/V, their
+  /// block summary rows become NaN, so a decode selection ranks them below
+  /// every resident block, and the pair's TopK entries are emptied (a
+  /// cached selection may name their slices). Refused before anything
+  /// changes: sizes other than the cache's, a block that is not far under
+  /// `cfg` (contract::evictable_blocks: it must end before the block holding
+  /// the decode window's start), a pair listed twice, or a pair left with
+  /// fewer than cfg.top_k_coarse far blocks resident. Within those rules a
+  /// decode step of `cfg` never keeps an evicted slice: its coarse top-k
+  /// fills with resident blocks (a config that keeps more blocks may reach
+  /// an evicted one, and its output is then NaN, never silently wrong).
+  /// Blocks already evicted are skipped. Stream-ordered like append_async.
+  [[nodiscard]] status evict_async(std::span<const block_list> lists, const SparseAttentionConfig& cfg,
+                                   cudaStream_t stream = nullptr) {
+    HISPARSE_TRY(check(cfg));
+    if (cfg.fine_slice != opt_.fine_slice || cfg.coarse_block != opt_.coarse_block)
+      return fail(status::invalid_argument,
+                  "evict: the config's slice/block sizes (" + std::to_string(cfg.fine_slice) + "/" +
+                      std::to_string(cfg.coarse_block) + ") differ from the cache's (" +
+                      std::to_string(opt_.fine_slice) + "/" + std::to_string(opt_.coarse_block) + ")");
+    HISPARSE_TRY(check_pairs(lists, "evict"));
+    const int spb = opt_.coarse_block / opt_.fine_slice;
+    struct pick {
+      std::size_t list;
+      std::int32_t block;
+    };
+    std::vector<pick> dropping;
+    std::vector<bool> taken;
+    for (std::size_t li = 0; li < lists.size(); ++li) {
+      const block_list& l = lists[li];
+      const auto& s = slots_[static_cast<std::size_t>(l.slot)];
+      const auto layer = static_cast<std::size_t>(l.layer);
+      const std::int64_t length = s.lengths[layer];
+      const auto far = static_cast<std::int32_t>(
+          contract::evictable_blocks(length, cfg.window, opt_.fine_slice, opt_.coarse_block));
+      std::int32_t resident = far - s.evicted_slices[layer] / spb;
+      taken.assign(static_cast<std::size_t>(far), false);
+      for (const std::int32_t b : l.blocks) {
+        if (b < 0 || b >= far)
+          return fail(status::invalid_argument,
+                      "evict: block " + std::to_string(b) + " of sequence " + std::to_string(l.slot) + " layer " +
+                          std::to_string(l.layer) + " is not far from its decode window (far blocks at length " +
+                          std::to_string(length) + ", window " + std::to_string(cfg.window) + ": [0, " +
+                          std::to_string(far) + "))");
+        const auto i = static_cast<std::size_t>(b);
+        if (taken[i] || s.pages[layer][i * static_cast<std::size_t>(spb)] == kEvictedPage) continue;
+        taken[i] = true;
+        dropping.push_back({li, b});
+        --resident;
+      }
+      if (resident < cfg.top_k_coarse)
+        return fail(status::invalid_argument,
+                    "evict: sequence " + std::to_string(l.slot) + " layer " + std::to_string(l.layer) +
+                        " would keep " + std::to_string(resident) + " far blocks, fewer than top_k_coarse (" +
+                        std::to_string(cfg.top_k_coarse) + "): a decode step could then keep an evicted slice");
+    }
+    if (dropping.empty()) return status::success;
+    HISPARSE_TRY(order_after_last(stream));
+    if (tombstone_ == nullptr) {
+      tombstone_ = static_cast<T*>(resource_->allocate(pool_.page_bytes(), stream));
+      HISPARSE_CUDA_TRY(cudaMemsetAsync(tombstone_, 0xff, pool_.page_bytes(), stream));  // NaN codes and scales
+    }
+    const kv::paged_kv_ref<T> view = ref();
+    // Device state first (all launches, then the host state): the table, the
+    // block rows, the TopK entries.
+    std::vector<std::int64_t> table_index;
+    table_index.reserve(dropping.size() * static_cast<std::size_t>(spb));
+    for (const pick& d : dropping) {
+      const block_list& l = lists[d.list];
+      for (int j = 0; j < spb; ++j)
+        table_index.push_back(view.table_index(view.seq_layer(l.slot, l.layer), std::int64_t{d.block} * spb + j));
+    }
+    for (std::size_t i = 0; i < table_index.size(); i += detail::kTablePatch) {
+      detail::table_patch<T> p{};
+      p.table = page_table_;
+      p.count = static_cast<int>(std::min<std::size_t>(detail::kTablePatch, table_index.size() - i));
+      for (int j = 0; j < p.count; ++j) {
+        p.index[j] = table_index[i + static_cast<std::size_t>(j)];
+        p.page[j] = tombstone_;
+      }
+      detail::patch_table_kernel<T><<<1, detail::kTablePatch, 0, stream>>>(p);
+      HISPARSE_CUDA_TRY(cudaGetLastError());
+    }
+    for (std::size_t i = 0; i < dropping.size(); i += detail::kRowPoison) {
+      detail::row_poison p{};
+      p.sums = block_sums_;
+      p.bounds = block_bounds_;
+      p.words = opt_.num_kv_heads * opt_.head_dim;
+      p.count = static_cast<int>(std::min<std::size_t>(detail::kRowPoison, dropping.size() - i));
+      for (int j = 0; j < p.count; ++j) {
+        const pick& d = dropping[i + static_cast<std::size_t>(j)];
+        p.row[j] = view.block_row(view.seq_layer(lists[d.list].slot, lists[d.list].layer), d.block, 0);
+      }
+      detail::poison_rows_kernel<T><<<static_cast<unsigned>(p.count), 128, 0, stream>>>(p);
+      HISPARSE_CUDA_TRY(cudaGetLastError());
+    }
+    if (topk_entries_ != nullptr)
+      for (std::size_t li = 0; li < lists.size(); ++li)
+        if (std::any_of(dropping.begin(), dropping.end(), [&](const pick& d) { return d.list == li; }))
+          HISPARSE_CUDA_TRY(cudaMemsetAsync(view.topk_entry(view.seq_layer(lists[li].slot, lists[li].layer), 0), 0xff,
+                                            sizeof(std::int32_t) * static_cast<std::size_t>(view.topk.stride) *
+                                                static_cast<std::size_t>(opt_.num_kv_heads),
+                                            stream));
+    HISPARSE_CUDA_TRY(cudaEventRecord(last_launch_, stream));
+    // Host state, and the pages back to their pools (later work on this
+    // stream is ordered after the table update; other streams wait for
+    // last_launch_).
+    std::vector<page_id> device_pages, host_pages;
+    for (const pick& d : dropping) {
+      const block_list& l = lists[d.list];
+      auto& s = slots_[static_cast<std::size_t>(l.slot)];
+      const auto layer = static_cast<std::size_t>(l.layer);
+      auto& dev = s.pages[layer];
+      auto& host = s.host[layer];
+      for (int j = 0; j < spb; ++j) {
+        const auto k = static_cast<std::size_t>(d.block) * static_cast<std::size_t>(spb) + static_cast<std::size_t>(j);
+        if (dev[k] >= 0) {
+          device_pages.push_back(dev[k]);
+        } else if (k < host.size() && host[k] != kInvalidPage) {
+          host_pages.push_back(host[k]);
+          host[k] = kInvalidPage;
+          --s.host_slices[layer];
+        }
+        dev[k] = kEvictedPage;
+      }
+      s.evicted_slices[layer] += spb;
+    }
+    HISPARSE_TRY(pool_.deallocate(device_pages));
+    if (!host_pages.empty()) HISPARSE_TRY(host_pool_->deallocate(host_pages));
+    return status::success;
+  }
+
   /// Opens the host tier and grows it to hold `pages` pages, so the pinning
   /// (the slow part of a first offload) happens when the engine warms up,
   /// not inside a prefill. out_of_memory past max_host_bytes.
@@ -726,31 +896,36 @@ class paged_kv_cache {
   /// append, move or free.
   class residency_view {
    public:
-    residency_view(std::span<const page_id> device_pages, std::int32_t host_slices)
-        : pages_(device_pages), host_slices_(host_slices) {}
+    residency_view(std::span<const page_id> device_pages, std::int32_t host_slices, std::int32_t evicted_slices)
+        : pages_(device_pages), host_slices_(host_slices), evicted_slices_(evicted_slices) {}
     [[nodiscard]] std::int32_t size() const noexcept { return static_cast<std::int32_t>(pages_.size()); }
     [[nodiscard]] bool on_host(std::int32_t slice) const noexcept {
       return pages_[static_cast<std::size_t>(slice)] == kInvalidPage;
     }
+    [[nodiscard]] bool evicted(std::int32_t slice) const noexcept {
+      return pages_[static_cast<std::size_t>(slice)] == kEvictedPage;
+    }
     [[nodiscard]] std::int32_t host_slices() const noexcept { return host_slices_; }
+    [[nodiscard]] std::int32_t evicted_slices() const noexcept { return evicted_slices_; }
 
    private:
     std::span<const page_id> pages_;
-    std::int32_t host_slices_;
+    std::int32_t host_slices_, evicted_slices_;
   };
   [[nodiscard]] residency_view residency_of(int slot, int layer) const {
     const slot_state& s = state_of(slot, layer, "residency_of");
-    return residency_view(s.pages[static_cast<std::size_t>(layer)], s.host_slices[static_cast<std::size_t>(layer)]);
+    const auto l = static_cast<std::size_t>(layer);
+    return residency_view(s.pages[l], s.host_slices[l], s.evicted_slices[l]);
   }
 
   /// Where slice `slice` of (slot, layer) lives; throws invalid_argument for
   /// a slice the sequence has no page for.
   [[nodiscard]] page_residency residency(int slot, int layer, std::int32_t slice) const {
-    const residency_view v(state_of(slot, layer, "residency").pages[static_cast<std::size_t>(layer)], 0);
+    const residency_view v(state_of(slot, layer, "residency").pages[static_cast<std::size_t>(layer)], 0, 0);
     if (slice < 0 || slice >= v.size())
       throw error(status::invalid_argument, "residency: sequence " + std::to_string(slot) + " layer " +
                                                 std::to_string(layer) + " has no slice " + std::to_string(slice));
-    return v.on_host(slice) ? page_residency::host : page_residency::device;
+    return v.on_host(slice) ? page_residency::host : v.evicted(slice) ? page_residency::evicted : page_residency::device;
   }
 
   /// Pages the host tier holds now (0 without one), and has pinned.
@@ -799,7 +974,10 @@ class paged_kv_cache {
     std::vector<std::vector<page_id>> pages;  // [layer][slice]: device page, kInvalidPage while on the host
     std::vector<std::vector<page_id>> host;   // [layer][slice]: host page, kInvalidPage (or absent) on the device
     std::vector<std::int32_t> host_slices;    // [layer]: how many slices are on the host
+    std::vector<std::int32_t> evicted_slices; // [layer]: how many slices evict_async dropped
   };
+  /// A device-page entry for a slice evict_async dropped.
+  static constexpr page_id kEvictedPage = -2;
 
   static paged_kv_cache_options validated(const paged_kv_cache_options& o) {
     auto bad = [](const std::string& why) { throw error(status::invalid_argument, "paged_kv_cache_options." + why); };
@@ -846,13 +1024,13 @@ class paged_kv_cache {
     return status::success;
   }
 
-  [[nodiscard]] status move_slices(std::span<const slice_list> lists, page_residency to, cudaStream_t stream) {
-    const bool out = to == page_residency::host;
-    const std::string what = out ? "offload" : "fetch";
-    // Check every list first: a bad one moves nothing.
+  /// Every list names a live sequence and a layer in range, and no
+  /// (sequence, layer) pair twice.
+  template <class List>
+  [[nodiscard]] status check_pairs(std::span<const List> lists, const std::string& what) const {
     std::vector<std::pair<int, int>> pairs;
     pairs.reserve(lists.size());
-    for (const slice_list& l : lists) {
+    for (const List& l : lists) {
       HISPARSE_TRY(check_slot(l.slot, what.c_str()));
       if (l.layer < 0 || l.layer >= opt_.num_layers)
         return fail(status::invalid_argument, what + ": layer " + std::to_string(l.layer) + " out of range [0, " +
@@ -862,6 +1040,14 @@ class paged_kv_cache {
     std::sort(pairs.begin(), pairs.end());
     if (std::adjacent_find(pairs.begin(), pairs.end()) != pairs.end())
       return fail(status::invalid_argument, what + ": a (sequence, layer) pair is listed twice in one batch");
+    return status::success;
+  }
+
+  [[nodiscard]] status move_slices(std::span<const slice_list> lists, page_residency to, cudaStream_t stream) {
+    const bool out = to == page_residency::host;
+    const std::string what = out ? "offload" : "fetch";
+    // Check every list first: a bad one moves nothing.
+    HISPARSE_TRY(check_pairs(lists, what));
     struct pick {
       std::size_t list;
       std::int32_t slice;
@@ -883,7 +1069,7 @@ class paged_kv_cache {
                                                     std::to_string(complete) + "))");
         const auto i = static_cast<std::size_t>(slice);
         const bool on_host = i < host.size() && host[i] != kInvalidPage;
-        if (on_host == out || taken[i]) continue;  // already there, or listed twice
+        if (on_host == out || taken[i] || dev[i] == kEvictedPage) continue;  // already there, listed twice, or gone
         taken[i] = true;
         moving.push_back({li, slice});
       }
@@ -1052,6 +1238,7 @@ class paged_kv_cache {
     give(counters_, counter_bytes_);
     give(scratch_, scratch_bytes_);
     give(topk_entries_, topk_bytes_);
+    if (tombstone_ != nullptr) give(tombstone_, pool_.page_bytes());
     if (last_launch_ != nullptr) cudaEventDestroy(last_launch_);
     last_launch_ = nullptr;
   }
@@ -1078,6 +1265,7 @@ class paged_kv_cache {
   unsigned* counters_ = nullptr;
   std::byte* scratch_ = nullptr;
   std::int32_t* topk_entries_ = nullptr;
+  T* tombstone_ = nullptr;  ///< evicted slices' page: NaN K/V (and scales), made by the first evict_async
   std::vector<slot_state> slots_;
 };
 

@@ -319,12 +319,14 @@ template <class T>
 /// fp32 means (DESIGN.md section 1; prefill always), or a decode config's
 /// fine_summary (mean_bf16: slice_means; key_bounds: slice_key_bounds,
 /// key_bounds_score). Step 4 scores the config's coarse_summary (block
-/// means, or block_key_bounds).
+/// means, or block_key_bounds), and NaN for the `evicted` blocks (ascending;
+/// retention, paged_kv_cache::evict_async).
 /// Throws hisparse::error on bad input.
 template <class T>
 [[nodiscard]] result sparse_attention(const SparseAttentionConfig& c, const attention_shape& s,
                                       const sequence<T>& seq, int query_tile,
-                                      fine_summary fine = fine_summary::mean) {
+                                      fine_summary fine = fine_summary::mean,
+                                      std::span<const std::int32_t> evicted = {}) {
   if (query_tile < 1 || query_tile > kMaxQueryTile)
     throw error(status::invalid_argument, "query_tile must be in [1, " + std::to_string(kMaxQueryTile) + "]");
   detail::check_sequence(c, s, seq, query_tile);
@@ -399,6 +401,10 @@ template <class T>
       for (std::int64_t b = 0; b < blocks; ++b) {
         const std::int64_t s0 = b * spb, s1 = std::min<std::int64_t>((b + 1) * spb, far_slices);
         bid.push_back(static_cast<std::int32_t>(b));
+        if (std::binary_search(evicted.begin(), evicted.end(), static_cast<std::int32_t>(b))) {
+          bscore.push_back(std::numeric_limits<double>::quiet_NaN());
+          continue;
+        }
         if (coarse_bounds) {
           const auto range = block_key_bounds(fine_bounds, s0, s1, hkv, h, dim);
           bscore.push_back(tile_max([&](const double* q) { return key_bounds_score(q, range.data(), dim); }));
@@ -455,14 +461,15 @@ template <class T>
 }
 
 /// Decode: one query at the last cached position, a tile of one; the fine
-/// filter scores the config's fine_summary.
+/// filter scores the config's fine_summary. `evicted`: blocks a retention
+/// dropped (ascending), scored NaN.
 template <class T>
 [[nodiscard]] result decode(const SparseAttentionConfig& c, const attention_shape& s,
-                            const sequence<T>& seq) {
+                            const sequence<T>& seq, std::span<const std::int32_t> evicted = {}) {
   if (seq.num_queries() != 1 || seq.q_begin != seq.length() - 1)
     throw error(status::invalid_argument,
                 "decode takes one query at the last cached position (length - 1)");
-  return sparse_attention(c, s, seq, 1, c.fine_summary);
+  return sparse_attention(c, s, seq, 1, c.fine_summary, evicted);
 }
 
 /// One KV head's TopK cache entry: the selection a decode step made, the

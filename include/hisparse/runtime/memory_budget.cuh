@@ -6,7 +6,9 @@
 // prefill workspaces, against a device limit. What does not fit is said in
 // pages: how many would have to live elsewhere (host offload) for the rest
 // to fit, whether a host tier holds them, and the per-(sequence, layer)
-// device budget of a residency_policy that keeps the rest resident.
+// device budget of a residency_policy that keeps the rest resident -- or,
+// instead of a host tier, how many far blocks each (sequence, layer) keeps
+// under retention (runtime/retention.hpp), which drops the rest.
 //
 // One cache holds every layer (paged_kv_cache_options::num_layers); the
 // operators run one layer at a time, so one decode and one prefill
@@ -62,6 +64,9 @@ struct memory_budget {
   std::size_t host_limit = 0;
   int sequences = 0;  ///< requests (cache slots)
   int layers = 0;
+  std::int32_t slices_per_block = 0;  ///< the config's
+  std::int32_t top_k_coarse = 0;      ///< the config's: the far blocks retention must keep
+  std::int32_t near_slices = 0;       ///< most slices of a sequence from the window's block on (never evicted)
 
   [[nodiscard]] std::size_t total() const { return page_memory + metadata + decode_workspace + prefill_workspace; }
   [[nodiscard]] bool fits() const { return total() <= device_limit; }
@@ -91,6 +96,18 @@ struct memory_budget {
     const std::int64_t rows = std::int64_t{sequences} * layers;
     return rows > 0 ? static_cast<std::int32_t>(std::min<std::int64_t>(resident_pages() / rows, footprint.max_slices))
                     : 0;
+  }
+  /// Retention's budget (retention_options::device_blocks): the far blocks
+  /// each (sequence, layer) keeps when the resident pages are shared evenly
+  /// and the slices from the window's block on stay.
+  [[nodiscard]] std::int32_t retained_blocks_each() const {
+    return slices_per_block > 0 ? std::max(0, device_slices_each() - near_slices) / slices_per_block : 0;
+  }
+  /// Whether retention fits without a host tier: every (sequence, layer)
+  /// keeps at least top_k_coarse far blocks (evict_async's floor). Lossy:
+  /// the dropped blocks are never attended again.
+  [[nodiscard]] bool fits_with_retention() const {
+    return total() - page_memory <= device_limit && (pages_off_device() == 0 || retained_blocks_each() >= top_k_coarse);
   }
 };
 
@@ -132,6 +149,11 @@ struct memory_budget {
   b.host_limit = in.host_limit;
   b.sequences = static_cast<int>(in.contexts.size());
   b.layers = m.layers;
+  b.slices_per_block = in.config.slices_per_block();
+  b.top_k_coarse = in.config.top_k_coarse;
+  // From the window's block to the end: at most the blocks W + F - 1
+  // tokens and the last token reach, two at the defaults.
+  b.near_slices = ((in.config.window + in.config.fine_slice - 1) / in.config.coarse_block + 2) * b.slices_per_block;
 
   // The operators' own sizing, on shape-only arguments (nothing is read):
   // a cache view with this layout and placeholder pointers.

@@ -159,9 +159,12 @@ template <class Cache, class Stream>
   std::vector<list> offload, fetch;
   for (const auto& [slot, layer] : pairs) {
     const auto complete = static_cast<std::int32_t>(cache.length(slot, layer) / cache.options().fine_slice);
+    // A slice retention evicted (evict_async) is off the device for good:
+    // never offloaded, and not counted against the device budget.
     const auto where = cache.residency_of(slot, layer);
-    plans.push_back(
-        policy.plan(slot, layer, complete, [&](std::int32_t s) { return where.on_host(s); }, where.host_slices()));
+    plans.push_back(policy.plan(
+        slot, layer, complete, [&](std::int32_t s) { return where.on_host(s) || where.evicted(s); },
+        std::int64_t{where.host_slices()} + where.evicted_slices()));
   }
   for (std::size_t i = 0; i < pairs.size(); ++i) {
     if (!plans[i].offload.empty()) offload.push_back(list{pairs[i].first, pairs[i].second, plans[i].offload});
