@@ -172,6 +172,15 @@ TEST_CASE("a policy's selection shape fixes its widths and sizes, and matches on
     CHECK_FALSE(shape::matches(other));
     CHECK(dynamic_selection_shape::matches(other));
   }
+  // The summaries it was built for, too.
+  SparseAttentionConfig bounds{};
+  bounds.fine_summary = fine_summary::key_bounds;
+  CHECK_FALSE(shape::matches(bounds));
+  using both = policy_shape<selection_policy<kBuiltinPresets[5].config>>;
+  STATIC_REQUIRE(both::kFineSummary == static_cast<int>(fine_summary::key_bounds));
+  STATIC_REQUIRE(both::kCoarseSummary == static_cast<int>(coarse_summary::key_bounds));
+  bounds.coarse_summary = coarse_summary::key_bounds;
+  CHECK(both::matches(bounds));
   // Only the fixed fields are compared.
   CHECK(selection_shape<0, 8>::matches(SparseAttentionConfig{512, 1024, 64, 64, 8, 64}));
 }

@@ -50,24 +50,32 @@ struct is_selection_policy<selection_policy<Cfg>> : std::true_type {};
 /// The numbers a decode selection kernel is built for: the kept widths and
 /// the slice and block sizes as compile-time constants, 0 where the kernel
 /// reads the config's at run time (dynamic_selection_shape, every runtime
-/// config's kernel). A fixed shape lets the compiler fold the candidate
-/// arithmetic (c / spb, the window start) and the rankings' k.
-template <int TopKCoarse = 0, int TopKFine = 0, int FineSlice = 0, int CoarseBlock = 0>
+/// config's kernel), and the summaries it scores (-1: any, chosen at run
+/// time). A fixed shape lets the compiler fold the candidate arithmetic
+/// (c / spb, the window start) and the rankings' k, and builds the kernels
+/// of one kind of summaries, not of all of them.
+template <int TopKCoarse = 0, int TopKFine = 0, int FineSlice = 0, int CoarseBlock = 0, int FineSummary = -1,
+          int CoarseSummary = -1>
 struct selection_shape {
   static constexpr int kTopKCoarse = TopKCoarse, kTopKFine = TopKFine, kFineSlice = FineSlice,
-                       kCoarseBlock = CoarseBlock;
-  static constexpr bool kDynamic = TopKCoarse == 0 && TopKFine == 0 && FineSlice == 0 && CoarseBlock == 0;
+                       kCoarseBlock = CoarseBlock, kFineSummary = FineSummary, kCoarseSummary = CoarseSummary;
+  static constexpr bool kDynamic = TopKCoarse == 0 && TopKFine == 0 && FineSlice == 0 && CoarseBlock == 0 &&
+                                   FineSummary < 0 && CoarseSummary < 0;
   /// Whether a config runs on this shape's kernel.
   static constexpr bool matches(const SparseAttentionConfig& c) {
     return (TopKCoarse == 0 || c.top_k_coarse == TopKCoarse) && (TopKFine == 0 || c.top_k_fine == TopKFine) &&
-           (FineSlice == 0 || c.fine_slice == FineSlice) && (CoarseBlock == 0 || c.coarse_block == CoarseBlock);
+           (FineSlice == 0 || c.fine_slice == FineSlice) && (CoarseBlock == 0 || c.coarse_block == CoarseBlock) &&
+           (FineSummary < 0 || static_cast<int>(c.fine_summary) == FineSummary) &&
+           (CoarseSummary < 0 || static_cast<int>(c.coarse_summary) == CoarseSummary);
   }
 };
 using dynamic_selection_shape = selection_shape<>;
 /// The shape a selection_policy fixes (hierarchical_attention builds its
 /// selection kernel for it).
 template <class Policy>
-using policy_shape = selection_shape<Policy::kTopKCoarse, Policy::kTopKFine, Policy::kFineSlice, Policy::kCoarseBlock>;
+using policy_shape =
+    selection_shape<Policy::kTopKCoarse, Policy::kTopKFine, Policy::kFineSlice, Policy::kCoarseBlock,
+                    static_cast<int>(Policy::config.fine_summary), static_cast<int>(Policy::config.coarse_summary)>;
 
 /// The default policy: DESIGN.md section 1's numbers.
 using default_selection_policy = selection_policy<>;

@@ -556,11 +556,17 @@ status launch_selection(const decode_params<Q>& p, bool wide, fine_summary fine,
                 : launch_selection_kernel<Q, D, S, &decode_selection_kernel<Q, D, S, false, k(), bounds(), Shape>>(
                       p, kv_heads, batch, stream);
   };
-  return dispatch_fine_summary(fine, [&](auto k) {
-    if constexpr (k() == fine_summary::key_bounds)
-      if (coarse_bounds) return launch(k, std::true_type{});
-    return launch(k, std::false_type{});
-  });
+  if constexpr (Shape::kFineSummary >= 0) {  // one kind, fixed (matches() checked the config's)
+    constexpr auto k = std::integral_constant<fine_summary, static_cast<fine_summary>(Shape::kFineSummary)>{};
+    constexpr bool bounds = Shape::kCoarseSummary == static_cast<int>(coarse_summary::key_bounds);
+    return launch(k, std::bool_constant<bounds>{});
+  } else {
+    return dispatch_fine_summary(fine, [&](auto k) {
+      if constexpr (k() == fine_summary::key_bounds)
+        if (coarse_bounds) return launch(k, std::true_type{});
+      return launch(k, std::false_type{});
+    });
+  }
 }
 
 template <class Q, int D, class Shape = dynamic_selection_shape>
@@ -573,7 +579,9 @@ status launch_selection(const decode_params<Q>& p, bool wide, fine_summary fine,
   // are built for the same architectures.
   static hisparse::detail::per_device_flag built;
   const bool clusters = built.get([] {
-    void (*kernel)(decode_params<Q>) = &decode_selection_kernel<Q, D, kSelectCluster, false, fine_summary::mean>;
+    constexpr auto kFine = Shape::kFineSummary >= 0 ? static_cast<fine_summary>(Shape::kFineSummary) : fine_summary::mean;
+    constexpr bool kBounds = Shape::kCoarseSummary == static_cast<int>(coarse_summary::key_bounds);
+    void (*kernel)(decode_params<Q>) = &decode_selection_kernel<Q, D, kSelectCluster, false, kFine, kBounds, Shape>;
     return hisparse::detail::kernel_built_for_sm90(reinterpret_cast<const void*>(kernel));
   });
   return clusters ? launch_selection<Q, D, kSelectCluster, Shape>(p, wide, fine, coarse_bounds, kv_heads, batch, stream)
