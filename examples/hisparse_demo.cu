@@ -41,11 +41,16 @@
 // per step and KV head a refresh rule either selects afresh or reuses its
 // cached selection (reference::reused_selection). Per rule: the share of
 // (step, KV head) pairs that reused, and the mass recall against selecting
-// afresh every step.
+// afresh every step. --retain N,... adds retention at those far-block
+// budgets (runtime/retention.hpp): after each step the policy observes what
+// the step kept and drops far blocks down to N; a step selects over the
+// resident blocks only (reference::decode with the evicted blocks). Per
+// budget: the far blocks resident at the end, and the mass recall against
+// selecting afresh over every block.
 //
 //   hisparse_demo [--contexts 32768,262144] [--batch 8] [--seed N] [--preset standard] [--cpu]
 //                 [--ceiling] [--misses] [--coarse mean|key_bounds] [--needle-span N]
-//                 [--stream STEPS [--drift N]]
+//                 [--stream STEPS [--drift N] [--retain N,...]]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -65,6 +70,7 @@
 #include "hisparse/reference/sparse_attention.hpp"
 #include "hisparse/runtime/hierarchical_attention.cuh"
 #include "hisparse/runtime/hierarchical_prefill.cuh"
+#include "hisparse/runtime/retention.hpp"
 #include "workload/synthetic.hpp"
 
 namespace {
@@ -81,6 +87,7 @@ struct options {
   int needle_span = 0;   // tokens per needle; 0: the workload's default
   int stream = 0;        // > 0: the TopK cache study over this many decode steps
   int drift = 16;        // the stream's drift_steps
+  std::vector<std::int64_t> retain;  // the stream study's retention budgets (far blocks)
 };
 
 /// The workload of one context: its length, the model's shape, the run's
@@ -95,19 +102,24 @@ hisparse::workload::synthetic_options workload_options(const options& opt, const
   return wo;
 }
 
+/// "a,b,c" as numbers.
+std::vector<std::int64_t> parse_list(const std::string& list) {
+  std::vector<std::int64_t> v;
+  for (std::size_t pos = 0; pos <= list.size();) {
+    const std::size_t comma = std::min(list.find(',', pos), list.size());
+    v.push_back(std::stoll(list.substr(pos, comma - pos)));
+    pos = comma + 1;
+  }
+  return v;
+}
+
 options parse(int argc, char** argv) {
   options o;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     const bool has_value = i + 1 < argc;
     if (arg == "--contexts" && has_value) {
-      o.contexts.clear();
-      std::string list = argv[++i];
-      for (std::size_t pos = 0; pos <= list.size();) {
-        const std::size_t comma = std::min(list.find(',', pos), list.size());
-        o.contexts.push_back(std::stoll(list.substr(pos, comma - pos)));
-        pos = comma + 1;
-      }
+      o.contexts = parse_list(argv[++i]);
     } else if (arg == "--seed" && has_value) {
       o.seed = std::stoull(argv[++i]);
     } else if (arg == "--preset" && has_value) {
@@ -128,10 +140,12 @@ options parse(int argc, char** argv) {
       o.stream = std::stoi(argv[++i]);
     } else if (arg == "--drift" && has_value) {
       o.drift = std::stoi(argv[++i]);
+    } else if (arg == "--retain" && has_value) {
+      o.retain = parse_list(argv[++i]);
     } else {
       std::fprintf(stderr,
                    "usage: %s [--contexts 8192,32768] [--batch N] [--seed N] [--preset NAME] [--cpu] [--ceiling] "
-                   "[--misses] [--coarse mean|key_bounds] [--needle-span N] [--stream STEPS [--drift N]]\n",
+                   "[--misses] [--coarse mean|key_bounds] [--needle-span N] [--stream STEPS [--drift N] [--retain N,...]]\n",
                    argv[0]);
       std::exit(arg == "--help" ? 0 : 2);
     }
@@ -593,6 +607,12 @@ void run_stream(const options& opt, const hisparse::SparseAttentionConfig& cfg,
     std::vector<double> recall(rules.size(), 0.0);
     std::vector<std::int64_t> reuses(rules.size(), 0);
     double fresh_recall = 0;
+    // Retention: one policy and evicted set per budget (the far blocks of
+    // request 0, every KV head's kept slices observed).
+    std::vector<retention_policy> retained;
+    for (const std::int64_t n : opt.retain) retained.emplace_back(cfg, retention_options{static_cast<std::int32_t>(n), 1});
+    std::vector<std::vector<std::int32_t>> evicted(opt.retain.size());
+    std::vector<double> retained_recall(opt.retain.size(), 0.0);
     for (int i = 0; i < opt.stream; ++i) {
       const std::int64_t p = ctx - opt.stream + i;  // step i's query position: the cache holds [0, p]
       reference::sequence<__nv_bfloat16> seq;
@@ -602,6 +622,9 @@ void run_stream(const options& opt, const hisparse::SparseAttentionConfig& cfg,
           w.queries.data() + static_cast<std::size_t>(i) * hq * dim, 1, hq, dim);
       seq.q_begin = p;
       const auto fresh = reference::decode(cfg, shape, seq).tiles[0];
+      std::vector<reference::tile_selection> kept_retained;
+      for (std::size_t k = 0; k < retained.size(); ++k)
+        kept_retained.push_back(reference::decode(cfg, shape, seq, evicted[k]).tiles[0]);
       for (int h = 0; h < hkv; ++h) {
         std::vector<std::vector<double>> mass;
         std::vector<double> qsum(static_cast<std::size_t>(dim), 0.0);
@@ -631,6 +654,18 @@ void run_stream(const options& opt, const hisparse::SparseAttentionConfig& cfg,
           }
           recall[k] += recall_of(reference::reused_selection(c.tile, p, cfg));
         }
+        for (std::size_t k = 0; k < retained.size(); ++k) retained_recall[k] += recall_of(kept_retained[k]);
+      }
+      // The policy sees what this step kept and drops blocks before the next.
+      for (std::size_t k = 0; k < retained.size(); ++k) {
+        std::vector<std::int32_t> kept;
+        for (const auto& sl : kept_retained[k].slices) kept.insert(kept.end(), sl.kept.begin(), sl.kept.end());
+        throw_if_error(retained[k].observe(0, 0, i, kept));
+        const auto& gone = evicted[k];
+        auto is_gone = [&](std::int32_t b) { return std::binary_search(gone.begin(), gone.end(), b); };
+        const auto drop = retained[k].plan(0, 0, p + 2, is_gone, static_cast<std::int32_t>(gone.size()));
+        evicted[k].insert(evicted[k].end(), drop.begin(), drop.end());
+        std::sort(evicted[k].begin(), evicted[k].end());
       }
     }
     const double pairs = static_cast<double>(opt.stream) * hkv;
@@ -640,6 +675,16 @@ void run_stream(const options& opt, const hisparse::SparseAttentionConfig& cfg,
     for (std::size_t k = 0; k < rules.size(); ++k)
       std::printf("  %-24s %8.3f %12.4f %14.4f\n", rules[k].name, static_cast<double>(reuses[k]) / pairs,
                   recall[k] / pairs, recall[k] / fresh_recall);
+    if (!retained.empty()) {
+      const std::int32_t far = evictable_blocks(cfg, ctx);
+      std::printf("  %-24s %8s %12s %14s\n", "retention (far blocks)", "resident", "mean recall", "against fresh");
+      for (std::size_t k = 0; k < retained.size(); ++k) {
+        const std::string name = "keep " + std::to_string(opt.retain[k]) + " of " + std::to_string(far);
+        std::printf("  %-24s %8lld %12.4f %14.4f\n", name.c_str(),
+                    static_cast<long long>(far - static_cast<std::int64_t>(evicted[k].size())),
+                    retained_recall[k] / pairs, retained_recall[k] / fresh_recall);
+      }
+    }
   }
 }
 
@@ -655,6 +700,10 @@ int main(int argc, char** argv) try {
   }
   if (opt.needle_span < 0) throw error(status::invalid_argument, "--needle-span must be >= 1");
   if (opt.stream < 0 || opt.drift < 1) throw error(status::invalid_argument, "--stream and --drift must be >= 1");
+  for (const std::int64_t n : opt.retain)
+    if (n < cfg.top_k_coarse)
+      throw error(status::invalid_argument, "--retain: each budget must be >= the preset's top_k_coarse (" +
+                                                std::to_string(cfg.top_k_coarse) + ")");
   const attention_shape shape{32, 8, 128};  // the 7B GQA model of the reference deployment
   const bool gpu = !opt.cpu && have_gpu();
   if (opt.contexts.empty())
