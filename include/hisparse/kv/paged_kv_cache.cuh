@@ -777,7 +777,7 @@ class paged_kv_cache {
       std::int32_t block;
     };
     std::vector<pick> dropping;
-    std::vector<bool> taken;
+    std::vector<bool> taken, touched(lists.size(), false);  // touched: the list drops a block
     for (std::size_t li = 0; li < lists.size(); ++li) {
       const block_list& l = lists[li];
       const auto& s = slots_[static_cast<std::size_t>(l.slot)];
@@ -797,6 +797,7 @@ class paged_kv_cache {
         const auto i = static_cast<std::size_t>(b);
         if (taken[i] || s.pages[layer][i * static_cast<std::size_t>(spb)] == kEvictedPage) continue;
         taken[i] = true;
+        touched[li] = true;
         dropping.push_back({li, b});
         --resident;
       }
@@ -822,17 +823,7 @@ class paged_kv_cache {
       for (int j = 0; j < spb; ++j)
         table_index.push_back(view.table_index(view.seq_layer(l.slot, l.layer), std::int64_t{d.block} * spb + j));
     }
-    for (std::size_t i = 0; i < table_index.size(); i += detail::kTablePatch) {
-      detail::table_patch<T> p{};
-      p.table = page_table_;
-      p.count = static_cast<int>(std::min<std::size_t>(detail::kTablePatch, table_index.size() - i));
-      for (int j = 0; j < p.count; ++j) {
-        p.index[j] = table_index[i + static_cast<std::size_t>(j)];
-        p.page[j] = tombstone_;
-      }
-      detail::patch_table_kernel<T><<<1, detail::kTablePatch, 0, stream>>>(p);
-      HISPARSE_CUDA_TRY(cudaGetLastError());
-    }
+    HISPARSE_TRY(patch_table(table_index, [&](std::size_t) { return tombstone_; }, stream, "evict"));
     for (std::size_t i = 0; i < dropping.size(); i += detail::kRowPoison) {
       detail::row_poison p{};
       p.sums = block_sums_;
@@ -848,7 +839,7 @@ class paged_kv_cache {
     }
     if (topk_entries_ != nullptr)
       for (std::size_t li = 0; li < lists.size(); ++li)
-        if (std::any_of(dropping.begin(), dropping.end(), [&](const pick& d) { return d.list == li; }))
+        if (touched[li])
           HISPARSE_CUDA_TRY(cudaMemsetAsync(view.topk_entry(view.seq_layer(lists[li].slot, lists[li].layer), 0), 0xff,
                                             sizeof(std::int32_t) * static_cast<std::size_t>(view.topk.stride) *
                                                 static_cast<std::size_t>(opt_.num_kv_heads),
@@ -1136,24 +1127,35 @@ class paged_kv_cache {
       i += n;
     }
     status st = copy_batch(dst, src, size, stream, what);
-    for (std::size_t i = 0; i < old.size() && st == status::success; i += detail::kTablePatch) {
-      detail::table_patch<T> p{};
-      p.table = page_table_;
-      p.count = static_cast<int>(std::min<std::size_t>(detail::kTablePatch, old.size() - i));
-      for (int j = 0; j < p.count; ++j) {
-        p.index[j] = table_index[i + static_cast<std::size_t>(j)];
-        p.page[j] = reinterpret_cast<T*>(to.address(fresh[i + static_cast<std::size_t>(j)]));
-      }
-      detail::patch_table_kernel<T><<<1, detail::kTablePatch, 0, stream>>>(p);
-      if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess)
-        st = fail(status::cuda_error, what + ": page table update failed: " + cudaGetErrorString(e));
-    }
+    if (st == status::success)
+      st = patch_table(
+          table_index, [&](std::size_t k) { return reinterpret_cast<T*>(to.address(fresh[k])); }, stream, what);
     if (st != status::success) {
       // A failed copy or launch leaves the CUDA context unusable.
       (void)to.deallocate(fresh);
       return st;
     }
     HISPARSE_CUDA_TRY(cudaEventRecord(last_launch_, stream));
+    return status::success;
+  }
+
+  /// Points page-table entries index[k] at page_of(k), in launches of
+  /// kTablePatch entries (stream-ordered).
+  template <class PageOf>
+  [[nodiscard]] status patch_table(const std::vector<std::int64_t>& index, PageOf&& page_of, cudaStream_t stream,
+                                   const std::string& what) {
+    for (std::size_t i = 0; i < index.size(); i += detail::kTablePatch) {
+      detail::table_patch<T> p{};
+      p.table = page_table_;
+      p.count = static_cast<int>(std::min<std::size_t>(detail::kTablePatch, index.size() - i));
+      for (int j = 0; j < p.count; ++j) {
+        p.index[j] = index[i + static_cast<std::size_t>(j)];
+        p.page[j] = page_of(i + static_cast<std::size_t>(j));
+      }
+      detail::patch_table_kernel<T><<<1, detail::kTablePatch, 0, stream>>>(p);
+      if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess)
+        return fail(status::cuda_error, what + ": page table update failed: " + cudaGetErrorString(e));
+    }
     return status::success;
   }
 

@@ -28,6 +28,32 @@
 
 namespace hisparse {
 
+namespace detail {
+/// The plans' shared rule: appends to `out` (empty) up to `excess` of the
+/// items [0, n) that `gone(i)` does not exclude, least recently kept first,
+/// in ascending order: never kept (`kept_at(i) < 0`) in index order -- so a
+/// plan usually stops at the last one it takes instead of ranking them all --
+/// then by (last kept step, index), none kept after step `newest`.
+template <class KeptAt, class Gone>
+void least_recently_kept(std::int32_t n, std::int64_t excess, std::int64_t newest, KeptAt&& kept_at, Gone&& gone,
+                         std::vector<std::int32_t>& out) {
+  for (std::int32_t i = 0; i < n && static_cast<std::int64_t>(out.size()) < excess; ++i)
+    if (kept_at(i) < 0 && !gone(i)) out.push_back(i);
+  const std::int64_t left = excess - static_cast<std::int64_t>(out.size());
+  if (left <= 0) return;
+  std::vector<std::pair<std::int64_t, std::int32_t>> candidates;  // (last kept step, item)
+  for (std::int32_t i = 0; i < n; ++i) {
+    const std::int64_t at = kept_at(i);
+    if (at >= 0 && at <= newest && !gone(i)) candidates.emplace_back(at, i);
+  }
+  const auto take =
+      static_cast<std::ptrdiff_t>(std::min<std::int64_t>(left, static_cast<std::int64_t>(candidates.size())));
+  std::partial_sort(candidates.begin(), candidates.begin() + take, candidates.end());
+  for (std::ptrdiff_t k = 0; k < take; ++k) out.push_back(candidates[static_cast<std::size_t>(k)].second);
+  std::sort(out.begin(), out.end());
+}
+}  // namespace detail
+
 struct residency_options {
   std::int32_t device_slices = 0;  ///< complete slices of one (sequence, layer) the device holds at most
   std::int32_t window_slices = 9;  ///< the last complete slices never offloaded (the decode window's 8 and one)
@@ -92,23 +118,9 @@ class residency_policy {
     const std::int64_t on_device = complete - host_slices + static_cast<std::int64_t>(m.fetch.size());
     const std::int64_t excess = on_device - opt_.device_slices;
     if (excess <= 0) return m;
-    // Never kept first, in slice order: the least (last kept step, slice) pairs.
-    const std::int32_t movable = std::max(0, complete - opt_.window_slices);
-    for (std::int32_t s = 0; s < movable && static_cast<std::int64_t>(m.offload.size()) < excess; ++s)
-      if (kept_at(e, s) < 0 && !on_host(s)) m.offload.push_back(s);
-    const std::int64_t left = excess - static_cast<std::int64_t>(m.offload.size());
-    if (left > 0) {  // then those kept longest ago, outside the last keep_steps steps
-      std::vector<std::pair<std::int64_t, std::int32_t>> candidates;  // (last kept step, slice)
-      for (std::int32_t s = 0; s < movable; ++s) {
-        const std::int64_t at = kept_at(e, s);
-        if (at >= 0 && at <= e.step - opt_.keep_steps && !on_host(s)) candidates.emplace_back(at, s);
-      }
-      const auto n =
-          static_cast<std::ptrdiff_t>(std::min<std::int64_t>(left, static_cast<std::int64_t>(candidates.size())));
-      std::partial_sort(candidates.begin(), candidates.begin() + n, candidates.end());
-      for (std::ptrdiff_t i = 0; i < n; ++i) m.offload.push_back(candidates[static_cast<std::size_t>(i)].second);
-      std::sort(m.offload.begin(), m.offload.end());
-    }
+    detail::least_recently_kept(
+        std::max(0, complete - opt_.window_slices), excess, e.step - opt_.keep_steps,
+        [&](std::int32_t s) { return kept_at(e, s); }, on_host, m.offload);
     return m;
   }
 

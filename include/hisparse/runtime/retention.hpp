@@ -35,6 +35,7 @@
 #include "hisparse/config.hpp"
 #include "hisparse/contract.hpp"
 #include "hisparse/core/status.hpp"
+#include "hisparse/runtime/residency.hpp"
 
 namespace hisparse {
 
@@ -99,21 +100,8 @@ class retention_policy {
     const auto it = entries_.find({slot, layer});
     const entry none{};
     const entry& e = it == entries_.end() ? none : it->second;
-    for (std::int32_t b = 0; b < far && static_cast<std::int64_t>(out.size()) < excess; ++b)
-      if (kept_at(e, b) < 0 && !evicted(b)) out.push_back(b);
-    const std::int64_t left = excess - static_cast<std::int64_t>(out.size());
-    if (left > 0) {  // then those kept longest ago, outside the last keep_steps steps
-      std::vector<std::pair<std::int64_t, std::int32_t>> candidates;  // (last kept step, block)
-      for (std::int32_t b = 0; b < far; ++b) {
-        const std::int64_t at = kept_at(e, b);
-        if (at >= 0 && at <= e.step - opt_.keep_steps && !evicted(b)) candidates.emplace_back(at, b);
-      }
-      const auto n =
-          static_cast<std::ptrdiff_t>(std::min<std::int64_t>(left, static_cast<std::int64_t>(candidates.size())));
-      std::partial_sort(candidates.begin(), candidates.begin() + n, candidates.end());
-      for (std::ptrdiff_t i = 0; i < n; ++i) out.push_back(candidates[static_cast<std::size_t>(i)].second);
-      std::sort(out.begin(), out.end());
-    }
+    detail::least_recently_kept(
+        far, excess, e.step - opt_.keep_steps, [&](std::int32_t b) { return kept_at(e, b); }, evicted, out);
     return out;
   }
 
