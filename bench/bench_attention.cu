@@ -10,7 +10,9 @@
 // BM_decode_stream: the step on a stream of turning queries with a TopK
 // cache, against the same stream selecting afresh (decode_stream).
 // BM_decode_offload: that stream with half of the cache in pinned host
-// memory (decode_offload).
+// memory (decode_offload). BM_layer_pipeline: two stages of layers, each a
+// model_decode graph over its own cache, as layer_pipeline runs them on two
+// streams of one GPU against the same pieces in turn on one stream.
 //
 // Axes from the command line (bench_main.hpp): --batch, --context,
 // --preset, --head_dim, --dtype; the defaults are the 7B GQA model's
@@ -20,6 +22,7 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <memory>
 #include <numbers>
@@ -31,7 +34,9 @@
 #include "bench_support.hpp"
 #include "hisparse/kv/paged_kv_cache.cuh"
 #include "hisparse/mr/device_pool_resource.hpp"
+#include "hisparse/mr/pinned_host_resource.hpp"
 #include "hisparse/runtime/hierarchical_attention.cuh"
+#include "hisparse/runtime/layer_pipeline.cuh"
 #include "hisparse/runtime/residency.hpp"
 #include "workload/synthetic.hpp"
 
@@ -62,8 +67,9 @@ struct decode_fixture {
   std::unique_ptr<device_array<std::int32_t>> d_slots;
 
   static kv::paged_kv_cache_options options(const SparseAttentionConfig& cfg, int sequences, std::int32_t context,
-                                            int dim, int topk_slices, std::size_t host_bytes) {
+                                            int dim, int topk_slices, std::size_t host_bytes, int layers) {
     kv::paged_kv_cache_options o;
+    o.num_layers = layers;
     o.num_kv_heads = kKvHeads;
     o.head_dim = dim;
     o.fine_slice = cfg.fine_slice;
@@ -78,10 +84,10 @@ struct decode_fixture {
   }
 
   decode_fixture(const SparseAttentionConfig& cfg, int batch_, std::int32_t context, int dim_, int copies = 1,
-                 int topk_slices = 0, std::size_t host_bytes = 0)
+                 int topk_slices = 0, std::size_t host_bytes = 0, int layers = 1)
       : batch(batch_),
         dim(dim_),
-        cache(device, options(cfg, batch_ * copies, context, dim_, topk_slices, host_bytes)),
+        cache(device, options(cfg, batch_ * copies, context, dim_, topk_slices, host_bytes, layers)),
         queries(static_cast<std::size_t>(batch_) * kQHeads * dim_),
         out(static_cast<std::size_t>(batch_) * kQHeads * dim_),
         lse(static_cast<std::size_t>(batch_) * kQHeads) {
@@ -92,12 +98,13 @@ struct decode_fixture {
       int slot = 0;
       throw_if_error(cache.add_sequence(context, slot));
       slots.push_back(slot);
-      for (std::int32_t done = 0; done < context; done += kChunk) {
-        const std::int32_t n = std::min(kChunk, context - done);
-        bench::fill_normal(chunk.ptr, static_cast<std::size_t>(kChunk) * kKvHeads * dim, rng.next());
-        throw_if_error(cache.append_async(0, std::vector<kv::append_segment>{{slot, 0, n}}, chunk.ptr, chunk.ptr,
-                                          nullptr));
-      }
+      for (int l = 0; l < layers; ++l)
+        for (std::int32_t done = 0; done < context; done += kChunk) {
+          const std::int32_t n = std::min(kChunk, context - done);
+          bench::fill_normal(chunk.ptr, static_cast<std::size_t>(kChunk) * kKvHeads * dim, rng.next());
+          throw_if_error(cache.append_async(l, std::vector<kv::append_segment>{{slot, 0, n}}, chunk.ptr, chunk.ptr,
+                                            nullptr));
+        }
     }
     // The queries from their own stream: the same for every `copies` (the
     // fp8 rows compare against a one-copy bf16 fixture).
@@ -769,6 +776,89 @@ void BM_step_shape(benchmark::State& state) {
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
+/// The two-stage layer pipeline on one GPU (two streams standing in for two
+/// devices): stage 0's last output is stage 1's first query and stage 1's
+/// last output stage 0's next one, as a decode step's hidden state goes.
+/// Wall time of kPipelineSteps steps enqueued back to back and waited for
+/// once: serial_us, the stages and copies in turn on one stream; direct_us
+/// and staged_us, layer_pipeline with device copies or copies staged
+/// through pinned host memory (a PCIe pair without peer access); stage_us,
+/// one stage's graph alone. Standard preset, bf16, head_dim 128.
+void BM_layer_pipeline(benchmark::State& state) {
+  using T = __nv_bfloat16;
+  constexpr int kPipelineSteps = 50;
+  const SparseAttentionConfig cfg = kBuiltinPresets[0].config;
+  const int batch = static_cast<int>(state.range(0)), layers = static_cast<int>(state.range(2));
+  const auto context = static_cast<std::int32_t>(state.range(1));
+  decode_fixture<T> fx0(cfg, batch, context, 128, 1, 0, 0, layers), fx1(cfg, batch, context, 128, 1, 0, 0, layers);
+  const std::size_t per_layer = static_cast<std::size_t>(batch) * kQHeads * 128;
+  const std::size_t hidden = per_layer * sizeof(T);
+  std::vector<T> q(per_layer * layers);
+  workload::splitmix64 rng(5);
+  for (auto& x : q) x = from_float<T>(static_cast<float>(rng.normal()));
+  device_array<T> q0(q), q1(q), out0(per_layer * layers), out1(per_layer * layers);
+  cudaStream_t streams[5] = {};
+  for (auto& s : streams) HISPARSE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  auto arguments = [&](const decode_fixture<T>& fx, T* queries, T* out) {
+    model_decode_arguments<T> a;
+    a.queries = queries;
+    a.slots = fx.d_slots->ptr;
+    a.batch = batch;
+    a.layers = layers;
+    a.num_q_heads = kQHeads;
+    a.cache = fx.cache.ref();
+    a.out = out;
+    return a;
+  };
+  const auto a0 = arguments(fx0, q0.ptr, out0.ptr), a1 = arguments(fx1, q1.ptr, out1.ptr);
+  model_decode<T> stage0(cfg), stage1(cfg);
+  std::size_t bytes = 0;
+  throw_if_error(stage0.workspace_bytes(a0, bytes));
+  device_array<char> w0(bytes), w1(bytes);
+  throw_if_error(stage0.warm_up(a0, w0.ptr, bytes, streams[0]));
+  throw_if_error(stage1.warm_up(a1, w1.ptr, bytes, streams[2]));
+  mr::pinned_host_resource pinned;
+  void* host_f = pinned.allocate(hidden, nullptr);
+  void* host_b = pinned.allocate(hidden, nullptr);
+  const pipeline_transfer forward{out0.ptr + per_layer * (layers - 1), q1.ptr, hidden, nullptr};
+  const pipeline_transfer feedback{out1.ptr + per_layer * (layers - 1), q0.ptr, hidden, nullptr};
+  layer_pipeline<T> direct, staged;
+  const layer_pipeline<T>::stage s0{0, &stage0, streams[0], streams[1]}, s1{0, &stage1, streams[2], streams[3]};
+  throw_if_error(direct.plan(s0, s1, forward, feedback));
+  throw_if_error(staged.plan(s0, s1, {forward.src, forward.dst, hidden, host_f},
+                             {feedback.src, feedback.dst, hidden, host_b}));
+  const cudaStream_t serial = streams[4];
+  auto wall = [&](auto&& enqueue, auto&& wait) {
+    const auto begin = std::chrono::steady_clock::now();
+    for (int t = 0; t < kPipelineSteps; ++t) enqueue();
+    wait();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count() / kPipelineSteps;
+  };
+  auto sync_serial = [&] { HISPARSE_CUDA_CHECK(cudaStreamSynchronize(serial)); };
+  std::vector<double> t_serial, t_direct, t_staged, t_stage;
+  for (auto _ : state) {
+    t_serial.push_back(wall(
+        [&] {
+          throw_if_error(stage0.replay(serial));
+          HISPARSE_CUDA_CHECK(cudaMemcpyAsync(q1.ptr, forward.src, hidden, cudaMemcpyDeviceToDevice, serial));
+          throw_if_error(stage1.replay(serial));
+          HISPARSE_CUDA_CHECK(cudaMemcpyAsync(q0.ptr, feedback.src, hidden, cudaMemcpyDeviceToDevice, serial));
+        },
+        sync_serial));
+    t_direct.push_back(wall([&] { throw_if_error(direct.step()); }, [&] { throw_if_error(direct.synchronize()); }));
+    t_staged.push_back(wall([&] { throw_if_error(staged.step()); }, [&] { throw_if_error(staged.synchronize()); }));
+    t_stage.push_back(wall([&] { throw_if_error(stage0.replay(serial)); }, sync_serial));
+    state.SetIterationTime(t_direct.back() * kPipelineSteps);
+  }
+  state.counters["serial_us"] = bench::median(t_serial) * 1e6;
+  state.counters["direct_us"] = bench::median(t_direct) * 1e6;
+  state.counters["staged_us"] = bench::median(t_staged) * 1e6;
+  state.counters["stage_us"] = bench::median(t_stage) * 1e6;
+  pinned.deallocate(host_f, hidden, nullptr);
+  pinned.deallocate(host_b, hidden, nullptr);
+  for (auto& s : streams) HISPARSE_CUDA_CHECK(cudaStreamDestroy(s));
+}
+
 using standard_policy = selection_policy<kBuiltinPresets[0].config>;
 using key_bounds_both_policy = selection_policy<kBuiltinPresets[5].config>;
 static_assert(kBuiltinPresets[0].id == preset_id::standard && kBuiltinPresets[5].id == preset_id::key_bounds_both);
@@ -844,6 +934,8 @@ HISPARSE_TILE_SWEEP(kTile64x4x4);
 HISPARSE_TILE_SWEEP(kTile32x2x4);
 HISPARSE_TILE_SWEEP(kTile128x8x2);
 BENCHMARK_TEMPLATE(BM_step_shape, standard_policy)->ArgNames({"B", "T"})->ArgsProduct({{1, 8, 32}, {32768, 262144}})
+    ->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_layer_pipeline)->ArgNames({"B", "T", "layers"})->Args({8, 32768, 4})->Args({8, 262144, 2})
     ->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK_TEMPLATE(BM_step_shape, key_bounds_both_policy)->ArgNames({"B", "T"})->ArgsProduct({{8}, {262144}})
     ->UseManualTime()->Unit(benchmark::kMicrosecond);

@@ -1,7 +1,9 @@
 // model_decode: every layer's decode step replayed from one graph gives, bit
 // for bit, what each layer's hierarchical_decode gives run alone; the graph
 // follows the cache as it grows (appends between replays, a slice boundary
-// crossed) and the queries its hook writes; bad use is refused.
+// crossed) and the queries its hook writes; bad use is refused. The
+// two-stage layer pipeline, its stages on two streams of one device, gives
+// what the same stages give run one after another.
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -12,6 +14,8 @@
 #include "gpu_test.hpp"
 #include "hisparse/kv/paged_kv_cache.cuh"
 #include "hisparse/mr/device_pool_resource.hpp"
+#include "hisparse/mr/pinned_host_resource.hpp"
+#include "hisparse/runtime/layer_pipeline.cuh"
 #include "hisparse/runtime/model_decode.cuh"
 #include "workload/synthetic.hpp"
 
@@ -177,4 +181,132 @@ TEST_CASE("model_decode replays every layer's step from one graph", "[gpu][runti
     HISPARSE_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST_CASE("layer_pipeline: two stages on two streams equal the stages run in turn", "[gpu][runtime][pipeline]") {
+  HISPARSE_REQUIRE_GPU();
+  const SparseAttentionConfig cfg{128, 256, 32, 4, 8, 64};
+  const std::vector<std::int32_t> lengths{3000, 9001};
+  const int batch = static_cast<int>(lengths.size());
+  constexpr int kStageLayers = 2, kSteps = 5;
+  mr::device_pool_resource pool;
+  workload::splitmix64 rng(23);
+  cudaStream_t streams[5] = {};
+  for (auto& s : streams) HISPARSE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const cudaStream_t serial = streams[4];
+
+  // Each stage its own cache (its own layers), as on its own device.
+  kv::paged_kv_cache_options o;
+  o.num_layers = kStageLayers;
+  o.num_kv_heads = kKvHeads;
+  o.head_dim = kDim;
+  o.fine_slice = cfg.fine_slice;
+  o.coarse_block = cfg.coarse_block;
+  o.max_sequences = batch;
+  o.max_context = 9001;
+  using cache_t = kv::paged_kv_cache<bf16, mr::device_pool_resource>;
+  cache_t cache0(pool, o), cache1(pool, o);
+  std::vector<int> slots;
+  for (const auto len : lengths) {
+    int s0 = -1, s1 = -1;
+    REQUIRE(cache0.add_sequence(o.max_context, s0) == status::success);
+    REQUIRE(cache1.add_sequence(o.max_context, s1) == status::success);
+    REQUIRE(s0 == s1);
+    slots.push_back(s0);
+    for (cache_t* c : {&cache0, &cache1})
+      for (int l = 0; l < kStageLayers; ++l) {
+        const std::size_t n = static_cast<std::size_t>(len) * kKvHeads * kDim;
+        device_buffer<bf16> k(normal_bf16(n, rng)), v(normal_bf16(n, rng));
+        REQUIRE(c->append_async(l, std::vector<kv::append_segment>{{s0, 0, len}}, k.ptr, v.ptr, serial) ==
+                status::success);
+        HISPARSE_CUDA_CHECK(cudaStreamSynchronize(serial));
+      }
+  }
+  const device_buffer<std::int32_t> d_slots(std::vector<std::int32_t>(slots.begin(), slots.end()));
+  const std::size_t per_layer = static_cast<std::size_t>(batch) * kQHeads * kDim;
+  const std::size_t hidden = per_layer * sizeof(bf16);
+  const auto initial = normal_bf16(per_layer * kStageLayers, rng);
+  device_buffer<bf16> q0(initial), q1(normal_bf16(per_layer * kStageLayers, rng)), out0(per_layer * kStageLayers),
+      out1(per_layer * kStageLayers);
+
+  auto arguments = [&](const cache_t& c, bf16* q, bf16* out) {
+    model_decode_arguments<bf16> a;
+    a.queries = q;
+    a.slots = d_slots.ptr;
+    a.batch = batch;
+    a.layers = kStageLayers;
+    a.num_q_heads = kQHeads;
+    a.cache = c.ref();
+    a.out = out;
+    return a;
+  };
+  const auto a0 = arguments(cache0, q0.ptr, out0.ptr), a1 = arguments(cache1, q1.ptr, out1.ptr);
+  model_decode<bf16> stage0(cfg), stage1(cfg);
+  std::size_t bytes = 0;
+  REQUIRE(stage0.workspace_bytes(a0, bytes) == status::success);
+  device_buffer<char> w0(bytes), w1(bytes);
+  REQUIRE(stage0.warm_up(a0, w0.ptr, bytes, streams[0]) == status::success);
+  REQUIRE(stage1.warm_up(a1, w1.ptr, bytes, streams[2]) == status::success);
+
+  // Stage 0's last output is stage 1's first query; stage 1's last output is
+  // stage 0's next first query.
+  pipeline_transfer forward{out0.ptr + per_layer * (kStageLayers - 1), q1.ptr, hidden, nullptr};
+  pipeline_transfer feedback{out1.ptr + per_layer * (kStageLayers - 1), q0.ptr, hidden, nullptr};
+
+  // What kSteps steps give, each piece after the last on one stream.
+  q0.upload(initial, serial);
+  for (int t = 0; t < kSteps; ++t) {
+    REQUIRE(stage0.replay(serial) == status::success);
+    HISPARSE_CUDA_CHECK(cudaMemcpyAsync(forward.dst, forward.src, hidden, cudaMemcpyDeviceToDevice, serial));
+    REQUIRE(stage1.replay(serial) == status::success);
+    HISPARSE_CUDA_CHECK(cudaMemcpyAsync(feedback.dst, feedback.src, hidden, cudaMemcpyDeviceToDevice, serial));
+  }
+  HISPARSE_CUDA_CHECK(cudaStreamSynchronize(serial));
+  const auto want0 = out0.download(), want1 = out1.download();
+  bool finite = true;
+  for (const bf16 x : want1) finite = finite && std::isfinite(__bfloat162float(x));
+  REQUIRE(finite);
+
+  mr::pinned_host_resource pinned;
+  for (const bool staged : {false, true}) {
+    INFO((staged ? "staged through pinned host memory" : "direct copies"));
+    void* host_f = staged ? pinned.allocate(hidden, nullptr) : nullptr;
+    void* host_b = staged ? pinned.allocate(hidden, nullptr) : nullptr;
+    forward.host = host_f;
+    feedback.host = host_b;
+    q0.upload(initial, serial);
+    out0.poison(serial);
+    out1.poison(serial);
+    HISPARSE_CUDA_CHECK(cudaStreamSynchronize(serial));
+    layer_pipeline<bf16> pipe;
+    REQUIRE(pipe.plan({0, &stage0, streams[0], streams[1]}, {0, &stage1, streams[2], streams[3]}, forward,
+                      feedback) == status::success);
+    for (int t = 0; t < kSteps; ++t) REQUIRE(pipe.step() == status::success);  // no host wait between steps
+    REQUIRE(pipe.synchronize() == status::success);
+    CHECK(pipe.steps() == kSteps);
+    CHECK(same_bits(out0.download(), want0));
+    CHECK(same_bits(out1.download(), want1));
+    if (staged) {
+      pinned.deallocate(host_f, hidden, nullptr);
+      pinned.deallocate(host_b, hidden, nullptr);
+    }
+  }
+
+  SECTION("bad plans are refused") {
+    layer_pipeline<bf16> pipe;
+    CHECK(pipe.step() == status::invalid_argument);
+    model_decode<bf16> unplanned(cfg);
+    CHECK(pipe.plan({0, &unplanned, streams[0], streams[1]}, {0, &stage1, streams[2], streams[3]}, forward) ==
+          status::invalid_argument);
+    CHECK(pipe.plan({0, &stage0, streams[0], streams[0]}, {0, &stage1, streams[2], streams[3]}, forward) ==
+          status::invalid_argument);
+    CHECK(pipe.plan({0, &stage0, streams[0], streams[1]}, {0, &stage1, streams[0], streams[3]}, forward) ==
+          status::invalid_argument);
+    CHECK(pipe.plan({0, &stage0, streams[0], streams[1]}, {0, &stage1, streams[2], streams[3]}, {}) ==
+          status::invalid_argument);
+    CHECK(pipe.plan({0, &stage0, streams[0], streams[1]}, {0, &stage1, streams[2], streams[3]},
+                    {nullptr, q1.ptr, hidden, nullptr}) == status::invalid_argument);
+    CHECK(pipe.step() == status::invalid_argument);  // still unplanned
+  }
+  for (auto& s : streams) HISPARSE_CUDA_CHECK(cudaStreamDestroy(s));
 }
