@@ -32,6 +32,21 @@ std::vector<bf16> normal_bf16(std::size_t n, workload::splitmix64& rng) {
   return x;
 }
 
+/// A cache of `layers` layers for `sequences` sequences of up to `context`
+/// tokens, with cfg's slice and block sizes.
+kv::paged_kv_cache_options cache_options(const SparseAttentionConfig& cfg, int layers, int sequences,
+                                         std::int32_t context) {
+  kv::paged_kv_cache_options o;
+  o.num_layers = layers;
+  o.num_kv_heads = kKvHeads;
+  o.head_dim = kDim;
+  o.fine_slice = cfg.fine_slice;
+  o.coarse_block = cfg.coarse_block;
+  o.max_sequences = sequences;
+  o.max_context = context;
+  return o;
+}
+
 template <class T>
 bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
@@ -46,14 +61,7 @@ TEST_CASE("model_decode replays every layer's step from one graph", "[gpu][runti
   const int batch = static_cast<int>(lengths.size());
   constexpr int kGrowth = 70;  // decode appends between replays: crosses a slice boundary
   mr::device_pool_resource pool;
-  kv::paged_kv_cache_options o;
-  o.num_layers = kLayers;
-  o.num_kv_heads = kKvHeads;
-  o.head_dim = kDim;
-  o.fine_slice = cfg.fine_slice;
-  o.coarse_block = cfg.coarse_block;
-  o.max_sequences = batch;
-  o.max_context = 17000 + kGrowth;
+  const auto o = cache_options(cfg, kLayers, batch, 17000 + kGrowth);
   kv::paged_kv_cache<bf16, mr::device_pool_resource> cache(pool, o);
   workload::splitmix64 rng(11);
   cudaStream_t stream = nullptr;
@@ -196,14 +204,7 @@ TEST_CASE("layer_pipeline: two stages on two streams equal the stages run in tur
   const cudaStream_t serial = streams[4];
 
   // Each stage its own cache (its own layers), as on its own device.
-  kv::paged_kv_cache_options o;
-  o.num_layers = kStageLayers;
-  o.num_kv_heads = kKvHeads;
-  o.head_dim = kDim;
-  o.fine_slice = cfg.fine_slice;
-  o.coarse_block = cfg.coarse_block;
-  o.max_sequences = batch;
-  o.max_context = 9001;
+  const auto o = cache_options(cfg, kStageLayers, batch, 9001);
   using cache_t = kv::paged_kv_cache<bf16, mr::device_pool_resource>;
   cache_t cache0(pool, o), cache1(pool, o);
   std::vector<int> slots;
