@@ -38,11 +38,11 @@ constexpr int kQHeads = 32, kKvHeads = 8, kDim = 128;
 
 using bench::device_array;
 
-/// How a run attends: sparse or dense, P split or rounded, heads per CTA
+/// How a run attends: sparse or dense, how P enters P V, heads per CTA
 /// (0: the library's choice), which kernel.
 struct variant {
   bool sparse = true;
-  bool rounded_p = false;
+  attention::pv_precision pv = attention::kPrefillPv;
   int heads_per_cta = 0;
   attention::prefill_kernel kernel = attention::prefill_kernel::automatic;
 };
@@ -106,9 +106,12 @@ void prefill(benchmark::State& state, std::int32_t context, variant v) {
     HISPARSE_CUDA_CHECK(cudaEventRecord(ev[0]));
     if (sparse) throw_if_error(select::select_prefill_async(cfg, s, sel));
     HISPARSE_CUDA_CHECK(cudaEventRecord(ev[1]));
-    throw_if_error(v.rounded_p
-                       ? attention::prefill_attention_async<bf16, attention::kPrefillTile, attention::pv_precision::rounded>(a)
-                       : attention::prefill_attention_async(a));
+    using attention::pv_precision;
+    throw_if_error(v.pv == pv_precision::rounded
+                       ? attention::prefill_attention_async<bf16, attention::kPrefillTile, pv_precision::rounded>(a)
+                   : v.pv == pv_precision::fp16
+                       ? attention::prefill_attention_async<bf16, attention::kPrefillTile, pv_precision::fp16>(a)
+                       : attention::prefill_attention_async<bf16, attention::kPrefillTile, pv_precision::split>(a));
     HISPARSE_CUDA_CHECK(cudaEventRecord(ev[2]));
     HISPARSE_CUDA_CHECK(cudaEventSynchronize(ev[2]));
   };
@@ -147,7 +150,7 @@ void prefill(benchmark::State& state, std::int32_t context, variant v) {
   state.counters["attended_keys_per_query"] = keys / (static_cast<double>(context) * kQHeads);
   state.counters["attention_TFLOPs"] = flops / bench::median(attend_s) * 1e-12;
   for (auto& e : ev) HISPARSE_CUDA_CHECK(cudaEventDestroy(e));
-  if (const char* dir = std::getenv("HISPARSE_DUMP_KEPT"); dir != nullptr && sparse && !v.rounded_p &&
+  if (const char* dir = std::getenv("HISPARSE_DUMP_KEPT"); dir != nullptr && sparse && v.pv == attention::kPrefillPv &&
       v.heads_per_cta == 0 && v.kernel == attention::prefill_kernel::automatic) {
     auto dump = [&](const char* name, const device_array<std::int32_t>& d, std::size_t n) {
       std::vector<std::int32_t> h(n);
@@ -195,9 +198,10 @@ void BM_tensor_core_peak(benchmark::State& state) {
 }
 
 /// BM_prefill/mode:M/T:t for every context of the sweep, and the kernel's
-/// variants at each: P rounded once (pv:rounded), one query head per CTA
-/// (heads:1), the portable mma.sync kernel where `automatic` picks the
-/// Hopper one (kernel:portable, also with pv:rounded).
+/// variants at each: P split (pv:split) or rounded once (pv:rounded) in
+/// place of the default fp16, one query head per CTA (heads:1), the
+/// portable mma.sync kernel where `automatic` picks the Hopper one
+/// (kernel:portable, which runs fp16 as split; also with pv:rounded).
 void register_prefill(const bench::sweep& axes) {
   auto add = [](const std::string& id, std::int64_t t, variant v) {
     benchmark::RegisterBenchmark(id.c_str(), [=](benchmark::State& state) {
@@ -209,11 +213,14 @@ void register_prefill(const bench::sweep& axes) {
       const std::string mode = std::string("mode:") + (sparse ? "sparse" : "dense");
       const std::string at = "/T:" + std::to_string(t);
       constexpr auto kPortable = attention::prefill_kernel::portable;
-      add("BM_prefill/" + mode + at, t, {sparse, false, 0});
-      add("BM_prefill_variant/" + mode + "/pv:rounded" + at, t, {sparse, true, 0});
-      add("BM_prefill_variant/" + mode + "/heads:1" + at, t, {sparse, false, 1});
-      add("BM_prefill_variant/" + mode + "/kernel:portable" + at, t, {sparse, false, 0, kPortable});
-      add("BM_prefill_variant/" + mode + "/kernel:portable/pv:rounded" + at, t, {sparse, true, 0, kPortable});
+      constexpr auto kPv = attention::kPrefillPv, kSplit = attention::pv_precision::split,
+                     kRounded = attention::pv_precision::rounded;
+      add("BM_prefill/" + mode + at, t, {sparse, kPv, 0});
+      add("BM_prefill_variant/" + mode + "/pv:split" + at, t, {sparse, kSplit, 0});
+      add("BM_prefill_variant/" + mode + "/pv:rounded" + at, t, {sparse, kRounded, 0});
+      add("BM_prefill_variant/" + mode + "/heads:1" + at, t, {sparse, kPv, 1});
+      add("BM_prefill_variant/" + mode + "/kernel:portable" + at, t, {sparse, kPv, 0, kPortable});
+      add("BM_prefill_variant/" + mode + "/kernel:portable/pv:rounded" + at, t, {sparse, kRounded, 0, kPortable});
     }
 }
 

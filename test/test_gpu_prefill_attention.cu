@@ -69,7 +69,7 @@ std::vector<attention::prefill_kernel> kernels_here() {
   return {attention::prefill_kernel::portable};
 }
 
-template <class T, attention::pv_precision P = attention::pv_precision::split>
+template <class T, attention::pv_precision P = attention::kPrefillPv>
 prefill_result<T> run_prefill(const test::problem<T>& p, const std::vector<std::int32_t>& n, std::uint64_t seed,
                               const run_options& how = {}) {
   mr::device_pool_resource device;
@@ -366,6 +366,55 @@ TEST_CASE("prefill attention with P rounded once meets FlashAttention's rule", "
     how.sparse = false;
     check_prefill(p, run_prefill<bf16, kRounded>(p, {300, 130}, seed + 2, how), false, 13, true);
   }
+}
+
+TEST_CASE("prefill attention with P split or in fp16 meets the fp32 naive's rule, large values included",
+          "[gpu][prefill][attention]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  // The first tile's rows (1-64 keys) are where P rounded to bf16 fails.
+  auto p = test::make_problem<bf16>({32, 8, 128}, SparseAttentionConfig{}, {300, 20000}, seed);
+  const auto h = test::make_problem<__half>({8, 2, 64}, SparseAttentionConfig{}, {3000}, seed + 3);
+  auto each_p = [&](auto run) {
+    run(std::integral_constant<attention::pv_precision, attention::pv_precision::split>{});
+    run(std::integral_constant<attention::pv_precision, attention::pv_precision::fp16>{});
+  };
+  each_p([&](auto pv) {
+    for (const auto kernel : kernels_here()) {
+      INFO("kernel " << static_cast<int>(kernel) << ", pv " << static_cast<int>(pv()));
+      run_options how;
+      how.kernel = kernel;
+      check_prefill(p, run_prefill<bf16, pv()>(p, {300, 200}, seed + 1, how), true);
+      check_prefill(h, run_prefill<__half, pv()>(h, {200}, seed + 4, how), true);
+      how.sparse = false;
+      check_prefill(p, run_prefill<bf16, pv()>(p, {300, 130}, seed + 2, how), false, 13);
+    }
+  });
+  // Values fp16 cannot carry (|v| >= 65536) in the window of the last
+  // queries and early in the prompt (kept or not): those tiles take P split;
+  // 65280 (the largest bf16 below) and values in fp16's subnormal range stay
+  // on the fp16 path.
+  const int Hkv = p.shape.num_kv_heads, D = p.shape.head_dim;
+  workload::splitmix64 rng(seed + 5);
+  auto plant = [&](std::int64_t t0, std::int64_t t1, float v) {
+    for (std::int64_t t = t0; t < t1; ++t)
+      for (int hh = 0; hh < Hkv; ++hh)
+        p.values[1][static_cast<std::size_t>((t * Hkv + hh) * D + rng.next() % D)] = from_float<bf16>(
+            rng.next() % 2 ? v : -v);
+  };
+  plant(19900, 19910, 3.0e5f);
+  plant(100, 2000, 1.5e6f);
+  plant(4000, 9000, 65280.0f);
+  plant(9000, 15000, 3.0e-7f);
+  each_p([&](auto pv) {
+    for (const auto kernel : kernels_here()) {
+      INFO("kernel " << static_cast<int>(kernel) << ", pv " << static_cast<int>(pv()) << ", large values");
+      run_options how;
+      how.kernel = kernel;
+      check_prefill(p, run_prefill<bf16, pv()>(p, {300, 200}, seed + 6, how), true, 3);
+    }
+  });
 }
 
 TEST_CASE("one or two query heads a CTA give the same bits", "[gpu][prefill][attention]") {

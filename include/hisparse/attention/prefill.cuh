@@ -12,8 +12,8 @@
 // and per tile takes FlashAttention-2's step with fp32 accumulation: S =
 // Q K^T, the causal mask on the tiles that reach past a warp's first query,
 // an online softmax in exp2, O = O corr + P V with S's accumulators as P's
-// A operand (pv_precision: P split in two halves, or rounded once). Two
-// kernels share that loop (prefill_kernel):
+// A operand (pv_precision: P split in two halves, in fp16 against an fp16
+// copy of V, or rounded once). Two kernels share that loop (prefill_kernel):
 //  * Hopper (sm_90a): a warpgroup a head, wgmma with Q, K and V read from
 //    shared memory in the 128-byte swizzle and P from registers, 128-key
 //    tiles (tuning::kPrefillTileSm90);
@@ -58,7 +58,19 @@ enum class pv_precision {
   /// precision, whose error on short rows (a few keys carry the softmax)
   /// exceeds twice the fp32 naive's.
   rounded,
+  /// For a bf16 cache on the Hopper kernel: P rounded once to fp16 (11
+  /// bits, 8x finer than bf16; held to the same rule as split) and one P V
+  /// product in fp16, each V tile copied to fp16 in shared memory (exact
+  /// for 0 and |v| in [2^-14, 65504], at most 2^-25 off below); a tile
+  /// holding a value fp16 cannot carry (|v| >= 65536, Inf, NaN) takes
+  /// split. Elsewhere split: against an fp16 output's rounding, P's 11 bits
+  /// are not enough, and the portable kernel has no copy.
+  fp16,
 };
+
+/// The default: split's accuracy rule at one P V product where the Hopper
+/// kernel can copy V (docs/PERF_NOTES.md, Prefill attention).
+inline constexpr pv_precision kPrefillPv = pv_precision::fp16;
 
 /// Which kernel runs a prefill attention.
 enum class prefill_kernel {
@@ -279,6 +291,15 @@ struct prefill_loader {
       cp_async_16(kdst + off, src, live ? 16 : 0);
       cp_async_16(vdst + off, live ? src + v_offset : src, live ? 16 : 0);
     }
+  }
+
+  /// f(offset) for each chunk of a BlockKv-row tile this thread copies
+  /// (load_kv): after its own cp.async group is waited for, the thread
+  /// reads them without a barrier.
+  template <int BlockKv, class F>
+  __device__ __forceinline__ void for_own_chunks(F f) const {
+#pragma unroll
+    for (int pass = 0; pass < BlockKv / kRowsPerPass; ++pass) f(offset<BlockKv>(row_in_pass + pass * kRowsPerPass, chunk));
   }
 
   /// load_kv of tile t into stage t % stages of a ring of (K tile | V tile)
@@ -543,6 +564,35 @@ __global__ void __launch_bounds__(Warps * 32, tuning::prefill_attention_ctas_per
   }
 }
 
+template <class T>
+struct type_tag {
+  using type = T;
+};
+
+/// Whether the Hopper kernel copies V to fp16 (pv_precision::fp16, bf16).
+template <class T, pv_precision P>
+inline constexpr bool kPrefillCopiesV = P == pv_precision::fp16 && std::is_same_v<T, __nv_bfloat16>;
+
+/// Copies this thread's chunks of a bf16 tile (Loader::for_own_chunks) at
+/// shared address `src` to fp16 at `dst`, same layout, and makes them
+/// visible to wgmma. Returns whether they hold a value fp16 cannot carry:
+/// |v| >= 65536 (the first bf16 past 65504), Inf or NaN, i.e. a magnitude's
+/// bits >= 0x4780, found by adding 0x3880 to each 15-bit half (bit 15 comes
+/// up; no carry crosses halves).
+template <int BlockKv, class Loader>
+__device__ __forceinline__ bool prefill_v_to_fp16(const Loader& load, unsigned src, unsigned dst) {
+  unsigned wide = 0;
+  load.template for_own_chunks<BlockKv>([&](unsigned off) {
+    const uint4 b = ptx::ld_shared_v4(src + off);
+    wide |= ((b.x & 0x7FFF7FFFu) + 0x38803880u) | ((b.y & 0x7FFF7FFFu) + 0x38803880u) |
+            ((b.z & 0x7FFF7FFFu) + 0x38803880u) | ((b.w & 0x7FFF7FFFu) + 0x38803880u);
+    ptx::st_shared_v4(dst + off, uint4{ptx::bf16x2_to_f16x2(b.x), ptx::bf16x2_to_f16x2(b.y),
+                                       ptx::bf16x2_to_f16x2(b.z), ptx::bf16x2_to_f16x2(b.w)});
+  });
+  ptx::fence_proxy_async_shared();
+  return (wide & 0x80008000u) != 0;
+}
+
 /// The Hopper kernel (wgmma, sm_90a). One warpgroup a query head: the
 /// tile's 64 positions are one wgmma M (warp w of the group holds rows
 /// 16 w ..), and a CTA's Heads heads share every K/V tile. Per tile of
@@ -552,7 +602,7 @@ __global__ void __launch_bounds__(Warps * 32, tuning::prefill_attention_ctas_per
 /// mma.sync) and V MN-major from shared memory. Shared memory, 1024-byte
 /// aligned: the Q tiles of the heads, then the ring, Stages x (K | V); every
 /// tile as D / 64 column blocks of 128-byte swizzled rows (prefill_loader).
-template <class T, int D, int BlockKv, int Stages, int Heads, bool SplitP>
+template <class T, int D, int BlockKv, int Stages, int Heads, pv_precision P>
 __global__ void __launch_bounds__(Heads * 128, 1)
     prefill_attention_sm90_kernel(const __grid_constant__ prefill_attention_params<T> p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -564,6 +614,9 @@ __global__ void __launch_bounds__(Heads * 128, 1)
   constexpr int kQBytes = kBlockQ * kRowBytes;  // one head's Q tile
   constexpr int kTileBytes = BlockKv * kRowBytes;
   using loader_t = prefill_loader<T, D, kThreads, true>;
+  // pv_precision::fp16 over a bf16 cache: each V tile is copied to fp16,
+  // into two buffers (v16) taken in turn.
+  constexpr bool kConvertV = kPrefillCopiesV<T, P>;
   const float kNegInf = -__int_as_float(0x7f800000);
 
   extern __shared__ __align__(128) unsigned char smem[];
@@ -576,6 +629,7 @@ __global__ void __launch_bounds__(Heads * 128, 1)
   const int tiles = (w.total_rows + BlockKv - 1) / BlockKv;
   const unsigned smem_base = (smem_address(smem) + 1023u) & ~1023u;  // the swizzle's atoms
   const unsigned ring_base = smem_base + Heads * kQBytes;
+  const unsigned v16_base = ring_base + static_cast<unsigned>(Stages * 2 * kTileBytes);  // kConvertV
   const unsigned q_tile = smem_base + head * kQBytes;
   loader_t load{w, a.cache, pages};
   load.template load_queries<Heads, kBlockQ>(a.queries, a.num_q_heads, smem_base);
@@ -590,16 +644,34 @@ __global__ void __launch_bounds__(Heads * 128, 1)
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
 
+  // kConvertV: tile u's V to v16 buffer u % 2, each thread its own copies,
+  // once they are in (one tile ahead, while the tensor cores take P V);
+  // `wide` says whether they hold a value fp16 cannot carry.
+  bool wide = false;
+  auto prepare_v = [&](int u) {
+    if constexpr (kConvertV) {
+      if (u < tiles) {
+        cp_async_wait<Stages - 2>();
+        const unsigned v = ring_base + static_cast<unsigned>((u % Stages) * 2 * kTileBytes + kTileBytes);
+        wide = prefill_v_to_fp16<BlockKv>(load, v, v16_base + static_cast<unsigned>((u & 1) * kTileBytes));
+      }
+    }
+  };
   for (int t = 1 - Stages;; ++t) {
+    bool v_split = false;  // kConvertV: this tile's V takes P split
     if (t >= 0) {
       cp_async_wait<Stages - 2>();
       ptx::fence_proxy_async_shared();  // the copies, to wgmma's proxy
-      __syncthreads();
+      if constexpr (kConvertV)
+        v_split = __syncthreads_or(wide);
+      else
+        __syncthreads();
     }
     if (t >= tiles) break;
     const int next = t + Stages - 1;
     if (next < tiles) load.template load_ring<BlockKv>(next, Stages, ring_base, a.queries);
     cp_async_commit();
+    if (t == -1) prepare_v(0);
     if (t < 0) continue;
     const unsigned k_tile = ring_base + static_cast<unsigned>((t % Stages) * 2 * kTileBytes);
     const unsigned v_tile = k_tile + kTileBytes;
@@ -639,23 +711,37 @@ __global__ void __launch_bounds__(Heads * 128, 1)
         o[4 * n + 2 * half + 1] *= corr;
       }
     }
-    // O += P V, 16 keys a k-step (two 8-row groups of the V tile).
-    unsigned pa[BlockKv / 16][2][4];
+    // O += P V, 16 keys a k-step (two 8-row groups of the V tile), with P
+    // and V in PT, P split or not.
+    auto accumulate_pv = [&](auto pt, auto split, unsigned v_base) {
+      using PT = typename decltype(pt)::type;
+      unsigned pa[BlockKv / 16][2][4];
 #pragma unroll
-    for (int j = 0; j < BlockKv / 16; ++j) prefill_p_operand<T, SplitP>(&s[8 * j], &s[8 * j + 4], pa[j][0], pa[j][1]);
+      for (int j = 0; j < BlockKv / 16; ++j)
+        prefill_p_operand<PT, decltype(split)::value>(&s[8 * j], &s[8 * j + 4], pa[j][0], pa[j][1]);
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) ptx::fence_operand(o[i]);
-    ptx::wgmma_fence();
+      for (int i = 0; i < D / 2; ++i) ptx::fence_operand(o[i]);
+      ptx::wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < BlockKv / 16; ++j) {
-      const auto v = ptx::smem_desc_sw128(v_tile + static_cast<unsigned>(j * 16 * 128), BlockKv * 128, 1024);
+      for (int j = 0; j < BlockKv / 16; ++j) {
+        const auto v = ptx::smem_desc_sw128(v_base + static_cast<unsigned>(j * 16 * 128), BlockKv * 128, 1024);
 #pragma unroll
-      for (int part = 0; part < (SplitP ? 2 : 1); ++part) ptx::wgmma_rs<T, D>(o, pa[j][part], v, true);
+        for (int part = 0; part < (decltype(split)::value ? 2 : 1); ++part) ptx::wgmma_rs<PT, D>(o, pa[j][part], v, true);
+      }
+      ptx::wgmma_commit();
+      prepare_v(t + 1);
+      ptx::wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < D / 2; ++i) ptx::fence_operand(o[i]);
+    };
+    if constexpr (kConvertV) {
+      if (!v_split)
+        accumulate_pv(type_tag<__half>{}, std::false_type{}, v16_base + static_cast<unsigned>((t & 1) * kTileBytes));
+      else
+        accumulate_pv(type_tag<T>{}, std::true_type{}, v_tile);
+    } else {  // fp16 over an fp16 cache is split (see pv_precision)
+      accumulate_pv(type_tag<T>{}, std::bool_constant<P != pv_precision::rounded>{}, v_tile);
     }
-    ptx::wgmma_commit();
-    ptx::wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) ptx::fence_operand(o[i]);
   }
   cp_async_wait<0>();
 #pragma unroll
@@ -673,7 +759,7 @@ __global__ void __launch_bounds__(Heads * 128, 1)
 template <class T, int D, tile_policy Tile, int MTiles, pv_precision P>
 status launch_prefill_attention(const prefill_attention_params<T>& p, int smem_bytes, cudaStream_t stream) {
   constexpr auto kernel =
-      &prefill_attention_kernel<T, D, Tile.warps, Tile.block_kv, Tile.stages, MTiles, P == pv_precision::split>;
+      &prefill_attention_kernel<T, D, Tile.warps, Tile.block_kv, Tile.stages, MTiles, P != pv_precision::rounded>;
   HISPARSE_TRY(hisparse::detail::raise_dynamic_smem<kernel>(smem_bytes));
   const std::int64_t ctas = std::int64_t{p.a.num_tiles} * (p.a.num_q_heads / MTiles);
   kernel<<<static_cast<unsigned>(ctas), Tile.threads(), static_cast<std::size_t>(smem_bytes), stream>>>(p);
@@ -692,8 +778,7 @@ status launch_prefill_attention(const prefill_attention_params<T>& p, int smem_b
 template <class T, int D, int Heads, pv_precision P>
 status launch_prefill_attention_sm90(const prefill_attention_params<T>& p, int smem_bytes, cudaStream_t stream) {
   constexpr tile_policy kTile = tuning::kPrefillTileSm90;
-  constexpr auto kernel =
-      &prefill_attention_sm90_kernel<T, D, kTile.block_kv, kTile.stages, Heads, P == pv_precision::split>;
+  constexpr auto kernel = &prefill_attention_sm90_kernel<T, D, kTile.block_kv, kTile.stages, Heads, P>;
   HISPARSE_TRY(hisparse::detail::raise_dynamic_smem<kernel>(smem_bytes));
   const std::int64_t ctas = std::int64_t{p.a.num_tiles} * (p.a.num_q_heads / Heads);
   kernel<<<static_cast<unsigned>(ctas), Heads * 128, static_cast<std::size_t>(smem_bytes), stream>>>(p);
@@ -702,16 +787,20 @@ status launch_prefill_attention_sm90(const prefill_attention_params<T>& p, int s
 }
 
 /// The Hopper kernel's dynamic shared memory: Q and the ring as
-/// prefill_smem_bytes, and up to 1023 bytes to align them to the swizzle.
-HISPARSE_HOST_DEVICE constexpr int prefill_sm90_smem_bytes(int heads, int head_dim) {
-  return prefill_smem_bytes(tuning::kPrefillTileSm90, heads, tuning::kPrefillTileSm90.stages, head_dim, 2) + 1024;
+/// prefill_smem_bytes, V's two fp16 copies where P V runs in fp16 over a
+/// bf16 cache, and up to 1023 bytes to align them to the swizzle.
+HISPARSE_HOST_DEVICE constexpr int prefill_sm90_smem_bytes(int heads, int head_dim, bool v_copy) {
+  constexpr tile_policy kTile = tuning::kPrefillTileSm90;
+  return prefill_smem_bytes(kTile, heads, kTile.stages, head_dim, 2) +
+         (v_copy ? 2 * prefill_tile_bytes(kTile.block_kv, head_dim, 2) : 0) + 1024;
 }
 
 /// Whether the Hopper kernel runs `a` on this device with `heads` heads a CTA.
-template <class T>
+template <class T, pv_precision P>
 [[nodiscard]] bool prefill_sm90_runs(const prefill_attention_arguments<T>& a, int heads, const gpu_limits& gpu) {
   return sizeof(T) == 2 && (a.cache.head_dim == 64 || a.cache.head_dim == 128) && gpu.cc_major == 9 &&
-         prefill_sm90_smem_bytes(heads, a.cache.head_dim) + static_cast<int>(kPrefillPageRing * sizeof(void*)) <=
+         prefill_sm90_smem_bytes(heads, a.cache.head_dim, kPrefillCopiesV<T, P>) +
+                 static_cast<int>(kPrefillPageRing * sizeof(void*)) <=
              gpu.smem_per_block &&
          hisparse::detail::built_for_sm90a();
 }
@@ -763,7 +852,7 @@ template <class T>
 /// Launches a prefill attention: one kernel, no allocation, no sync
 /// (capturable in a CUDA graph; the segments and the selection are read on
 /// the device). P (pv_precision): how the softmax weights enter P V.
-template <class T, tile_policy Tile = kPrefillTile, pv_precision P = pv_precision::split>
+template <class T, tile_policy Tile = kPrefillTile, pv_precision P = kPrefillPv>
 [[nodiscard]] status prefill_attention_async(const prefill_attention_arguments<T>& a, cudaStream_t stream = nullptr) {
   static_assert(valid_prefill_tile_v<Tile>);
   HISPARSE_TRY(can_implement_prefill_attention(a, Tile));
@@ -777,9 +866,9 @@ template <class T, tile_policy Tile = kPrefillTile, pv_precision P = pv_precisio
   p.group = a.num_q_heads / a.cache.kv_heads;
   const float scale = a.softmax_scale > 0.0f ? a.softmax_scale : 1.0f / std::sqrt(static_cast<float>(a.cache.head_dim));
   p.scale_log2 = scale * detail::kPrefillLog2e;
-  if (a.kernel != prefill_kernel::portable && detail::prefill_sm90_runs(a, heads, gpu)) {
+  if (a.kernel != prefill_kernel::portable && detail::prefill_sm90_runs<T, P>(a, heads, gpu)) {
     p.stages = tuning::kPrefillTileSm90.stages;
-    const int smem = detail::prefill_sm90_smem_bytes(heads, a.cache.head_dim);
+    const int smem = detail::prefill_sm90_smem_bytes(heads, a.cache.head_dim, detail::kPrefillCopiesV<T, P>);
     if constexpr (sizeof(T) == 2) {
       if (a.cache.head_dim == 64)
         return heads == 2 ? detail::launch_prefill_attention_sm90<T, 64, 2, P>(p, smem, stream)
@@ -806,10 +895,10 @@ template <class T, tile_policy Tile = kPrefillTile, pv_precision P = pv_precisio
 }  // namespace hisparse::attention
 
 /// `prefix template` of prefill_attention_async for KV type T with the
-/// default tile (core/macros.hpp: HISPARSE_EXTERN_TEMPLATES).
+/// default tile and P (core/macros.hpp: HISPARSE_EXTERN_TEMPLATES).
 #define HISPARSE_PREFILL_ATTENTION_INSTANCE(prefix, T)                                                       \
   prefix template ::hisparse::status hisparse::attention::prefill_attention_async<                            \
-      T, hisparse::attention::kPrefillTile, hisparse::attention::pv_precision::split>(                       \
+      T, hisparse::attention::kPrefillTile, hisparse::attention::kPrefillPv>(                                 \
       const hisparse::attention::prefill_attention_arguments<T>&, cudaStream_t);
 #if defined(HISPARSE_EXTERN_TEMPLATES)
 HISPARSE_PREFILL_ATTENTION_INSTANCE(extern, __nv_bfloat16)

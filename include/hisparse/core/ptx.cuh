@@ -97,6 +97,28 @@ __device__ __forceinline__ void st_shared_v2(unsigned addr, unsigned a, unsigned
   asm("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(addr), "r"(a), "r"(b) : "memory");
 }
 
+/// Four 32-bit words from / to a shared-memory address in one access.
+__device__ __forceinline__ uint4 ld_shared_v4(unsigned addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_shared_v4(unsigned addr, uint4 v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+/// A bf16 pair as an fp16 pair, rounded to nearest: exact where both
+/// values are 0 or in fp16's normal range (2^-14 <= |x| <= 65504).
+__device__ __forceinline__ unsigned bf16x2_to_f16x2(unsigned w) {
+  unsigned r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(__uint_as_float(w & 0xFFFF0000u)), "f"(__uint_as_float(w << 16)));
+  return r;
+}
+
 /// blockIdx.x read again where it is needed, so the compiler does not keep
 /// it in a register across a long stretch of code.
 __device__ __forceinline__ unsigned block_index_x() {

@@ -77,7 +77,7 @@ template <class T>
 }
 
 template <class T, tile_policy Tile = attention::kPrefillTile,
-          attention::pv_precision P = attention::pv_precision::split>
+          attention::pv_precision P = attention::kPrefillPv>
 class hierarchical_prefill {
   static_assert(valid_prefill_tile_v<Tile>);
   static_assert(!kv::is_fp8_v<T>,
@@ -251,7 +251,7 @@ class hierarchical_prefill_attention : public hierarchical_prefill<T, Tile> {
 /// The dense causal baseline with the same protocol: the attention kernel
 /// over every key up to each query (no selection).
 template <class T, tile_policy Tile = attention::kPrefillTile,
-          attention::pv_precision P = attention::pv_precision::split>
+          attention::pv_precision P = attention::kPrefillPv>
 class dense_prefill {
  public:
   using arguments = prefill_step_arguments<T>;
