@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include <cuda_runtime_api.h>
 
@@ -564,11 +565,6 @@ __global__ void __launch_bounds__(Warps * 32, tuning::prefill_attention_ctas_per
   }
 }
 
-template <class T>
-struct type_tag {
-  using type = T;
-};
-
 /// Whether the Hopper kernel copies V to fp16 (pv_precision::fp16, bf16).
 template <class T, pv_precision P>
 inline constexpr bool kPrefillCopiesV = P == pv_precision::fp16 && std::is_same_v<T, __nv_bfloat16>;
@@ -736,11 +732,12 @@ __global__ void __launch_bounds__(Heads * 128, 1)
     };
     if constexpr (kConvertV) {
       if (!v_split)
-        accumulate_pv(type_tag<__half>{}, std::false_type{}, v16_base + static_cast<unsigned>((t & 1) * kTileBytes));
+        accumulate_pv(std::type_identity<__half>{}, std::false_type{},
+                      v16_base + static_cast<unsigned>((t & 1) * kTileBytes));
       else
-        accumulate_pv(type_tag<T>{}, std::true_type{}, v_tile);
+        accumulate_pv(std::type_identity<T>{}, std::true_type{}, v_tile);
     } else {  // fp16 over an fp16 cache is split (see pv_precision)
-      accumulate_pv(type_tag<T>{}, std::bool_constant<P != pv_precision::rounded>{}, v_tile);
+      accumulate_pv(std::type_identity<T>{}, std::bool_constant<P != pv_precision::rounded>{}, v_tile);
     }
   }
   cp_async_wait<0>();
