@@ -342,13 +342,13 @@ __device__ __forceinline__ float prefill_softmax_step(float* s, float& m, float&
   mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
   const float m_new = fmaxf(m, mx * scale_log2);
   const float m_use = m_new == kNegInf ? 0.0f : m_new;  // every key masked so far: all weights 0
-  const float corr = exp2f(m - m_use);
+  const float corr = ptx::exp2_ftz(m - m_use);
   m = m_new;
   float sum = 0.0f;
 #pragma unroll
   for (int n = 0; n < N; ++n) {
-    s[n * Stride] = exp2f(fmaf(s[n * Stride], scale_log2, -m_use));
-    s[n * Stride + 1] = exp2f(fmaf(s[n * Stride + 1], scale_log2, -m_use));
+    s[n * Stride] = ptx::exp2_ftz(fmaf(s[n * Stride], scale_log2, -m_use));
+    s[n * Stride + 1] = ptx::exp2_ftz(fmaf(s[n * Stride + 1], scale_log2, -m_use));
     sum += s[n * Stride] + s[n * Stride + 1];
   }
   l = fmaf(l, corr, sum);
@@ -665,14 +665,20 @@ __global__ void __launch_bounds__(Heads * 128, 1)
     }
     if (t >= tiles) break;
     const int next = t + Stages - 1;
-    if (next < tiles) load.template load_ring<BlockKv>(next, Stages, ring_base, a.queries);
-    cp_async_commit();
-    if (t == -1) prepare_v(0);
-    if (t < 0) continue;
+    auto load_next = [&] {
+      if (next < tiles) load.template load_ring<BlockKv>(next, Stages, ring_base, a.queries);
+      cp_async_commit();
+    };
+    if (t < 0) {
+      load_next();
+      if (t == -1) prepare_v(0);
+      continue;
+    }
     const unsigned k_tile = ring_base + static_cast<unsigned>((t % Stages) * 2 * kTileBytes);
     const unsigned v_tile = k_tile + kTileBytes;
 
-    // S = Q K^T: 16 dims a k-step, four a 128-byte column block.
+    // S = Q K^T: 16 dims a k-step, four a 128-byte column block. The next
+    // tile's copies (another stage) are issued while the tensor cores run it.
     float s[BlockKv / 2];
 #pragma unroll
     for (int i = 0; i < BlockKv / 2; ++i) ptx::fence_operand(s[i]);
@@ -684,6 +690,7 @@ __global__ void __launch_bounds__(Heads * 128, 1)
                                 ptx::smem_desc_sw128(k_tile + block * BlockKv * 128 + within, 16, 1024), k > 0);
     }
     ptx::wgmma_commit();
+    load_next();
     ptx::wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < BlockKv / 2; ++i) ptx::fence_operand(s[i]);

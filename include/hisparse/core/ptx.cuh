@@ -111,6 +111,14 @@ __device__ __forceinline__ void st_shared_v4(unsigned addr, uint4 v) {
                : "memory");
 }
 
+/// 2^x by the SFU alone: results below 2^-126 flush to 0 (exp2f adds a
+/// compare and two multiplies around the same instruction to keep them).
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
 /// A bf16 pair as an fp16 pair, rounded to nearest: exact where both
 /// values are 0 or in fp16's normal range (2^-14 <= |x| <= 65504).
 __device__ __forceinline__ unsigned bf16x2_to_f16x2(unsigned w) {
