@@ -11,9 +11,11 @@
 // filled by cp.async (a kept slice is one page: whole-row 16-byte copies),
 // and per tile takes FlashAttention-2's step with fp32 accumulation: S =
 // Q K^T, the causal mask on the tiles that reach past a warp's first query,
-// an online softmax in exp2, O = O corr + P V with S's accumulators as P's
-// A operand (pv_precision: P split in two halves, in fp16 against an fp16
-// copy of V, or rounded once). Two kernels share that loop (prefill_kernel):
+// an online softmax in exp2 (its running max lagging by up to 2^8 unless P
+// is rounded to 8 bits, so most tiles leave O alone), O = O corr + P V
+// with S's accumulators as P's A operand (pv_precision: P split in two
+// halves, in fp16 against an fp16 copy of V, or rounded once). Two kernels
+// share that loop (prefill_kernel):
 //  * Hopper (sm_90a): a warpgroup a head, wgmma with Q, K and V read from
 //    shared memory in the 128-byte swizzle and P from registers, 128-key
 //    tiles (tuning::kPrefillTileSm90);
@@ -123,6 +125,10 @@ inline constexpr int kPrefillWarpRows = 16;
 inline constexpr int kPrefillPageRing = 64;
 inline constexpr float kPrefillLog2e = 1.4426950408889634f;
 inline constexpr float kPrefillLn2 = 0.6931471805599453f;
+/// log2 of how far a row's running max may lag its true max where P keeps
+/// 11 bits or more (weights up to 2^8: in range for fp16 and bf16 P;
+/// prefill_softmax_step).
+inline constexpr float kPrefillMaxLagLog2 = 8.0f;
 
 /// Bytes of a tile of `rows` rows of head_dim elements.
 HISPARSE_HOST_DEVICE constexpr int prefill_tile_bytes(int rows, int head_dim, int elem_bytes) {
@@ -273,11 +279,30 @@ struct prefill_loader {
   __device__ __forceinline__ void load_kv(int t, unsigned kdst, unsigned vdst, const void* zero_src) {
     static_assert(BlockKv % kRowsPerPass == 0);
     const int F = cache.fine_slice;
-    const int row0 = t * BlockKv;
-    const int first = row0 / F, last = (min(w.total_rows, row0 + BlockKv) - 1) / F;
-    if (first < page_base || last >= page_end) fill_pages(first);
+    const int row0 = t * BlockKv, end = min(w.total_rows, row0 + BlockKv);
     const int f_shift = (F & (F - 1)) == 0 ? __ffs(F) - 1 : -1;
+    const int first = f_shift >= 0 ? row0 >> f_shift : row0 / F;
+    const int last = f_shift >= 0 ? (end - 1) >> f_shift : (end - 1) / F;
+    if (first < page_base || last >= page_end) fill_pages(first);
     const std::int64_t head = w.h * cache.head_tile_elems(), v_offset = cache.value_offset();
+    if constexpr (kRowsPerPass % 8 == 0) {
+      // A whole tile over power-of-two slices holding whole passes: a pass
+      // is one page's rows, and this thread's chunk sits at one swizzle, so
+      // a pass costs a page pointer and two copies.
+      if (f_shift >= 0 && F % kRowsPerPass == 0 && end == row0 + BlockKv) {
+        constexpr unsigned kPassBytes = kRowsPerPass * (ColumnBlocks ? 128 : kRowBytes);
+        const unsigned off0 = offset<BlockKv>(row_in_pass, chunk);
+        const std::int64_t lane = head + std::int64_t{row_in_pass} * D + chunk * kVec;
+#pragma unroll
+        for (int pass = 0; pass < BlockKv / kRowsPerPass; ++pass) {
+          const int g0 = row0 + pass * kRowsPerPass;
+          const T* src = pages[(g0 >> f_shift) - page_base] + lane + std::int64_t{g0 & (F - 1)} * D;
+          cp_async_16(kdst + off0 + pass * kPassBytes, src, 16);
+          cp_async_16(vdst + off0 + pass * kPassBytes, src + v_offset, 16);
+        }
+        return;
+      }
+    }
 #pragma unroll
     for (int pass = 0; pass < BlockKv / kRowsPerPass; ++pass) {
       const int r = row_in_pass + pass * kRowsPerPass;
@@ -329,10 +354,15 @@ struct prefill_loader {
 
 /// One query row's online softmax over a tile of scores, FlashAttention-2's
 /// step in exp2: s (the row's scores this lane holds, N of them, masked ones
-/// -inf) becomes the weights exp2(s scale - m), m and this lane's sum l move
-/// on, and the returned factor rescales the row's output. The row's four
-/// lanes (lane ^ 1, lane ^ 2) agree on its max.
-template <int N, int Stride>
+/// -inf) becomes the weights exp2(s scale - m), and m and this lane's sum l
+/// move on. With Lag, m moves to the tile's max only when that exceeds it
+/// by more than 2^kPrefillMaxLagLog2 (FlashAttention-4's rule), so weights
+/// stay at most 2^8, which P carries in fp16 or bf16, and most tiles leave
+/// the output alone. Without (P rounded once to 8 bits), m is the row's max
+/// so far, whose weight 1 is exact: FlashAttention's precision. Returns the
+/// factor that rescales the row's output: exactly 1 where m did not move.
+/// The row's four lanes (lane ^ 1, lane ^ 2) agree on its max.
+template <int N, int Stride, bool Lag>
 __device__ __forceinline__ float prefill_softmax_step(float* s, float& m, float& l, float scale_log2) {
   const float kNegInf = -__int_as_float(0x7f800000);
   float mx = kNegInf;
@@ -340,10 +370,12 @@ __device__ __forceinline__ float prefill_softmax_step(float* s, float& m, float&
   for (int n = 0; n < N; ++n) mx = fmaxf(mx, fmaxf(s[n * Stride], s[n * Stride + 1]));
   mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
-  const float m_new = fmaxf(m, mx * scale_log2);
-  const float m_use = m_new == kNegInf ? 0.0f : m_new;  // every key masked so far: all weights 0
-  const float corr = ptx::exp2_ftz(m - m_use);
-  m = m_new;
+  float corr = 1.0f;
+  if (mx * scale_log2 > m + (Lag ? kPrefillMaxLagLog2 : 0.0f)) {  // from m = -inf: the first unmasked score
+    corr = ptx::exp2_ftz(m - mx * scale_log2);
+    m = mx * scale_log2;
+  }
+  const float m_use = m == kNegInf ? 0.0f : m;  // every key masked so far: all weights 0
   float sum = 0.0f;
 #pragma unroll
   for (int n = 0; n < N; ++n) {
@@ -353,6 +385,21 @@ __device__ __forceinline__ float prefill_softmax_step(float* s, float& m, float&
   }
   l = fmaf(l, corr, sum);
   return corr;
+}
+
+/// Rescales a lane's output accumulators (D / 8 groups of four: a pair of
+/// its first row, then a pair of its second) by corr of the row, where some
+/// row of the warp moved its max (a warp-uniform branch).
+template <int D>
+__device__ __forceinline__ void prefill_rescale(float* o, const float (&corr)[2]) {
+  if (!__any_sync(0xFFFFFFFFu, corr[0] != 1.0f || corr[1] != 1.0f)) return;
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    o[4 * n] *= corr[0];
+    o[4 * n + 1] *= corr[0];
+    o[4 * n + 2] *= corr[1];
+    o[4 * n + 3] *= corr[1];
+  }
 }
 
 /// P's m16n8k16 A operand for keys [16 j, 16 j + 16) of a lane's two rows
@@ -518,16 +565,13 @@ __global__ void __launch_bounds__(Warps * 32, tuning::prefill_attention_ctas_per
             if (row0 + 8 * n + qc + (e & 1) > vis[i][e >> 1]) s[i][n][e] = kNegInf;
     }
 #pragma unroll
-    for (int i = 0; i < MTiles; ++i)
+    for (int i = 0; i < MTiles; ++i) {
+      float corr[2];
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const float corr = prefill_softmax_step<kSTiles, 4>(&s[i][0][2 * half], m[i][half], l[i][half], p.scale_log2);
-#pragma unroll
-        for (int n = 0; n < kOTiles; ++n) {
-          o[i][n][2 * half] *= corr;
-          o[i][n][2 * half + 1] *= corr;
-        }
-      }
+      for (int half = 0; half < 2; ++half)
+        corr[half] = prefill_softmax_step<kSTiles, 4, SplitP>(&s[i][0][2 * half], m[i][half], l[i][half], p.scale_log2);
+      prefill_rescale<D>(&o[i][0][0], corr);
+    }
     // O += P V, 16 keys a k-step: S's accumulator layout is P's A operand.
 #pragma unroll
     for (int j = 0; j < BlockKv / 16; ++j) {
@@ -573,20 +617,22 @@ inline constexpr bool kPrefillCopiesV = P == pv_precision::fp16 && std::is_same_
 /// shared address `src` to fp16 at `dst`, same layout, and makes them
 /// visible to wgmma. Returns whether they hold a value fp16 cannot carry:
 /// |v| >= 65536 (the first bf16 past 65504), Inf or NaN, i.e. a magnitude's
-/// bits >= 0x4780, found by adding 0x3880 to each 15-bit half (bit 15 comes
-/// up; no carry crosses halves).
+/// bits >= 0x4780. The magnitudes are non-negative as signed 16-bit halves,
+/// so their running maximum is a three-way max a word pair (VIMNMX3 on
+/// sm_90).
 template <int BlockKv, class Loader>
 __device__ __forceinline__ bool prefill_v_to_fp16(const Loader& load, unsigned src, unsigned dst) {
-  unsigned wide = 0;
+  constexpr unsigned kMagnitude = 0x7FFF7FFFu;
+  unsigned top = 0;
   load.template for_own_chunks<BlockKv>([&](unsigned off) {
     const uint4 b = ptx::ld_shared_v4(src + off);
-    wide |= ((b.x & 0x7FFF7FFFu) + 0x38803880u) | ((b.y & 0x7FFF7FFFu) + 0x38803880u) |
-            ((b.z & 0x7FFF7FFFu) + 0x38803880u) | ((b.w & 0x7FFF7FFFu) + 0x38803880u);
+    top = __vimax3_s16x2(b.x & kMagnitude, b.y & kMagnitude, top);
+    top = __vimax3_s16x2(b.z & kMagnitude, b.w & kMagnitude, top);
     ptx::st_shared_v4(dst + off, uint4{ptx::bf16x2_to_f16x2(b.x), ptx::bf16x2_to_f16x2(b.y),
                                        ptx::bf16x2_to_f16x2(b.z), ptx::bf16x2_to_f16x2(b.w)});
   });
   ptx::fence_proxy_async_shared();
-  return (wide & 0x80008000u) != 0;
+  return max(top & 0xFFFFu, top >> 16) >= 0x4780u;
 }
 
 /// The Hopper kernel (wgmma, sm_90a). One warpgroup a query head: the
@@ -627,6 +673,7 @@ __global__ void __launch_bounds__(Heads * 128, 1)
   const unsigned ring_base = smem_base + Heads * kQBytes;
   const unsigned v16_base = ring_base + static_cast<unsigned>(Stages * 2 * kTileBytes);  // kConvertV
   const unsigned q_tile = smem_base + head * kQBytes;
+  const auto q_desc = ptx::smem_desc_sw128(q_tile, 16, 1024);
   loader_t load{w, a.cache, pages};
   load.template load_queries<Heads, kBlockQ>(a.queries, a.num_q_heads, smem_base);
 
@@ -682,12 +729,13 @@ __global__ void __launch_bounds__(Heads * 128, 1)
     float s[BlockKv / 2];
 #pragma unroll
     for (int i = 0; i < BlockKv / 2; ++i) ptx::fence_operand(s[i]);
+    const auto k_desc = ptx::smem_desc_sw128(k_tile, 16, 1024);
     ptx::wgmma_fence();
 #pragma unroll
     for (int k = 0; k < D / 16; ++k) {
       const unsigned block = static_cast<unsigned>(k >> 2), within = static_cast<unsigned>((k & 3) * 32);
-      ptx::wgmma_ss<T, BlockKv>(s, ptx::smem_desc_sw128(q_tile + block * kBlockQ * 128 + within, 16, 1024),
-                                ptx::smem_desc_sw128(k_tile + block * BlockKv * 128 + within, 16, 1024), k > 0);
+      ptx::wgmma_ss<T, BlockKv>(s, ptx::smem_desc_add(q_desc, block * kBlockQ * 128 + within),
+                                ptx::smem_desc_add(k_desc, block * BlockKv * 128 + within), k > 0);
     }
     ptx::wgmma_commit();
     load_next();
@@ -705,15 +753,12 @@ __global__ void __launch_bounds__(Heads * 128, 1)
         for (int e = 0; e < 4; ++e)
           if (row0 + 8 * n + qc + (e & 1) > vis[e >> 1]) s[4 * n + e] = kNegInf;
     }
+    float corr[2];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const float corr = prefill_softmax_step<BlockKv / 8, 4>(&s[2 * half], m[half], l[half], p.scale_log2);
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        o[4 * n + 2 * half] *= corr;
-        o[4 * n + 2 * half + 1] *= corr;
-      }
-    }
+    for (int half = 0; half < 2; ++half)
+      corr[half] =
+          prefill_softmax_step<BlockKv / 8, 4, P != pv_precision::rounded>(&s[2 * half], m[half], l[half], p.scale_log2);
+    prefill_rescale<D>(o, corr);
     // O += P V, 16 keys a k-step (two 8-row groups of the V tile), with P
     // and V in PT, P split or not.
     auto accumulate_pv = [&](auto pt, auto split, unsigned v_base) {
@@ -724,10 +769,11 @@ __global__ void __launch_bounds__(Heads * 128, 1)
         prefill_p_operand<PT, decltype(split)::value>(&s[8 * j], &s[8 * j + 4], pa[j][0], pa[j][1]);
 #pragma unroll
       for (int i = 0; i < D / 2; ++i) ptx::fence_operand(o[i]);
+      const auto v_desc = ptx::smem_desc_sw128(v_base, BlockKv * 128, 1024);
       ptx::wgmma_fence();
 #pragma unroll
       for (int j = 0; j < BlockKv / 16; ++j) {
-        const auto v = ptx::smem_desc_sw128(v_base + static_cast<unsigned>(j * 16 * 128), BlockKv * 128, 1024);
+        const auto v = ptx::smem_desc_add(v_desc, static_cast<unsigned>(j * 16 * 128));
 #pragma unroll
         for (int part = 0; part < (decltype(split)::value ? 2 : 1); ++part) ptx::wgmma_rs<PT, D>(o, pa[j][part], v, true);
       }

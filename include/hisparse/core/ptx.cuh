@@ -377,6 +377,14 @@ __device__ __forceinline__ unsigned long long smem_desc_sw128(unsigned addr, uns
          static_cast<unsigned long long>((sbo >> 4) & 0x3FFFu) << 32 | 1ull << 62;
 }
 
+/// The descriptor of the matrix `bytes` further on in shared memory: one
+/// add to the 14-bit address field (address / 16 of a real shared-memory
+/// matrix is below 2^14, so no carry reaches the fields above it).
+__device__ __forceinline__ unsigned long long smem_desc_add(unsigned long long desc, unsigned bytes) {
+  const unsigned lo = static_cast<unsigned>(desc) + (bytes >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | lo;
+}
+
 /// wgmma m64nNk16, N = 64 or 128: A (64 x 16) and B (N x 16) K-major in
 /// shared memory; d = A B^T (+ d when accumulate), fp32.
 template <class T, int N>
