@@ -2,8 +2,9 @@
 // (test/attention_oracle.hpp, DESIGN.md section 6's tolerance rule): sparse
 // (a prefill selection's kept slices of the query's tile, then the window
 // [ws, p]) and dense (every key up to p), across dtypes, GQA ratios, head
-// dims, query tiles narrower than the CTA's, prompts shorter than the window
-// and chunks cut mid-tile; chunking does not change a bit of the output; bad
+// dims, query tiles narrower than the CTA's, prompts shorter than the window,
+// chunks cut mid-tile and scores that jump from tile to tile (the softmax's
+// lagging max); chunking does not change a bit of the output; bad
 // input gives NaN rows or an error, never a silent answer.
 #include <catch2/catch.hpp>
 
@@ -413,6 +414,47 @@ TEST_CASE("prefill attention with P split or in fp16 meets the fp32 naive's rule
       run_options how;
       how.kernel = kernel;
       check_prefill(p, run_prefill<bf16, pv()>(p, {300, 200}, seed + 6, how), true, 3);
+    }
+  });
+}
+
+TEST_CASE("the running max may lag a row's true max by 2^8, and catches up past that", "[gpu][prefill][attention]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  // Keys scaled slice by slice (x1.5, x2.5, x6, x0.25 in turn): a row's
+  // scores jump up and down from tile to tile, by less than the lag and by
+  // far more (x6: a log2 score's spread ~9), in the kept slices and the
+  // window alike. P rounded once keeps the exact max (its check rounds the
+  // naive's weights the same way).
+  auto scale_keys = [](auto& p) {
+    const std::int64_t row = std::int64_t{p.shape.num_kv_heads} * p.shape.head_dim;
+    for (std::size_t b = 0; b < p.keys.size(); ++b)
+      for (std::int64_t i = 0; i < static_cast<std::int64_t>(p.keys[b].size()); ++i) {
+        constexpr float kScale[4] = {1.5f, 2.5f, 6.0f, 0.25f};
+        auto& k = p.keys[b][static_cast<std::size_t>(i)];
+        k = from_float<std::decay_t<decltype(k)>>(to_float(k) * kScale[i / row / 64 % 4]);
+      }
+  };
+  auto p = test::make_problem<bf16>({32, 8, 128}, SparseAttentionConfig{}, {300, 20000}, seed);
+  auto h = test::make_problem<__half>({8, 2, 64}, SparseAttentionConfig{}, {3000}, seed + 3);
+  scale_keys(p);
+  scale_keys(h);
+  auto each_p = [&](auto run) {
+    run(std::integral_constant<attention::pv_precision, attention::pv_precision::split>{});
+    run(std::integral_constant<attention::pv_precision, attention::pv_precision::fp16>{});
+    run(std::integral_constant<attention::pv_precision, attention::pv_precision::rounded>{});
+  };
+  each_p([&](auto pv) {
+    constexpr bool kRounded = pv() == attention::pv_precision::rounded;
+    for (const auto kernel : kernels_here()) {
+      INFO("kernel " << static_cast<int>(kernel) << ", pv " << static_cast<int>(pv()));
+      run_options how;
+      how.kernel = kernel;
+      check_prefill(p, run_prefill<bf16, pv()>(p, {300, 200}, seed + 1, how), true, 5, kRounded);
+      check_prefill(h, run_prefill<__half, pv()>(h, {200}, seed + 4, how), true, 5, kRounded);
+      how.sparse = false;
+      check_prefill(p, run_prefill<bf16, pv()>(p, {300, 130}, seed + 2, how), false, 11, kRounded);
     }
   });
 }
