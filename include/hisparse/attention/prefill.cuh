@@ -635,6 +635,93 @@ __device__ __forceinline__ bool prefill_v_to_fp16(const Loader& load, unsigned s
   return max(top & 0xFFFFu, top >> 16) >= 0x4780u;
 }
 
+/// S = Q K^T of a warpgroup's 64 rows by BlockKv keys on wgmma, Q and K
+/// K-major in the 128-byte swizzle (D / 64 column blocks): 16 dims a
+/// k-step, four a column block. `between` runs after the commit, while the
+/// tensor cores take it.
+template <class T, int D, int BlockKv, class Between>
+__device__ __forceinline__ void prefill_sm90_scores(float (&s)[BlockKv / 2], unsigned q_tile, unsigned k_tile,
+                                                    Between between) {
+#pragma unroll
+  for (int i = 0; i < BlockKv / 2; ++i) ptx::fence_operand(s[i]);
+  const auto q_desc = ptx::smem_desc_sw128(q_tile, 16, 1024), k_desc = ptx::smem_desc_sw128(k_tile, 16, 1024);
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < D / 16; ++k) {
+    const unsigned block = static_cast<unsigned>(k >> 2), within = static_cast<unsigned>((k & 3) * 32);
+    ptx::wgmma_ss<T, BlockKv>(s, ptx::smem_desc_add(q_desc, block * 64 * 128 + within),
+                              ptx::smem_desc_add(k_desc, block * BlockKv * 128 + within), k > 0);
+  }
+  ptx::wgmma_commit();
+  between();
+  ptx::wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < BlockKv / 2; ++i) ptx::fence_operand(s[i]);
+}
+
+/// The causal mask (on the tiles that reach past the warp's first row's
+/// visible keys: the last one or two of the window) and the softmax step of
+/// a lane's two rows over a tile of BlockKv scores from key row row0; O is
+/// rescaled where a row's max moved.
+template <int D, int BlockKv, bool Lag>
+__device__ __forceinline__ void prefill_sm90_softmax(float (&s)[BlockKv / 2], float (&o)[D / 2], float (&m)[2],
+                                                     float (&l)[2], int row0, const int (&vis)[2], int qr, int qc,
+                                                     float scale_log2) {
+  if (row0 + BlockKv - 1 > vis[0] - qr) {
+#pragma unroll
+    for (int n = 0; n < BlockKv / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (row0 + 8 * n + qc + (e & 1) > vis[e >> 1]) s[4 * n + e] = -__int_as_float(0x7f800000);
+  }
+  float corr[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half)
+    corr[half] = prefill_softmax_step<BlockKv / 8, 4, Lag>(&s[2 * half], m[half], l[half], scale_log2);
+  prefill_rescale<D>(o, corr);
+}
+
+/// O += P V on wgmma, 16 keys a k-step (two 8-row groups of the V tile, V
+/// MN-major at v_base), P from the weights in registers, in PT, split or
+/// not. `between` runs after the commit, while the tensor cores take it.
+template <class PT, bool Split, int D, int BlockKv, class Between>
+__device__ __forceinline__ void prefill_sm90_pv(float (&o)[D / 2], const float (&s)[BlockKv / 2], unsigned v_base,
+                                                Between between) {
+  unsigned pa[BlockKv / 16][2][4];
+#pragma unroll
+  for (int j = 0; j < BlockKv / 16; ++j) prefill_p_operand<PT, Split>(&s[8 * j], &s[8 * j + 4], pa[j][0], pa[j][1]);
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) ptx::fence_operand(o[i]);
+  const auto v_desc = ptx::smem_desc_sw128(v_base, BlockKv * 128, 1024);
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int j = 0; j < BlockKv / 16; ++j) {
+    const auto v = ptx::smem_desc_add(v_desc, static_cast<unsigned>(j * 16 * 128));
+#pragma unroll
+    for (int part = 0; part < (Split ? 2 : 1); ++part) ptx::wgmma_rs<PT, D>(o, pa[j][part], v, true);
+  }
+  ptx::wgmma_commit();
+  between();
+  ptx::wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) ptx::fence_operand(o[i]);
+}
+
+/// Writes a warpgroup's rows of head `head` of the task (its lane's rows
+/// q0 and q0 + 8, where they are queries of the tile).
+template <class T, int D>
+__device__ __forceinline__ void prefill_sm90_store(const prefill_attention_arguments<T>& a, const prefill_cta_task& w,
+                                                   const float (&o)[D / 2], const float (&m)[2], const float (&l)[2],
+                                                   int q0, int head, int qc) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float sum = prefill_row_sum(l[half]);
+    const int q = q0 + 8 * half;
+    if (q < w.q_rows)
+      prefill_store_row<T, D, 4>(a, (w.q_row0 + q) * a.num_q_heads + w.hq0 + head, &o[2 * half], m[half], sum, qc);
+  }
+}
+
 /// The Hopper kernel (wgmma, sm_90a). One warpgroup a query head: the
 /// tile's 64 positions are one wgmma M (warp w of the group holds rows
 /// 16 w ..), and a CTA's Heads heads share every K/V tile. Per tile of
@@ -673,7 +760,6 @@ __global__ void __launch_bounds__(Heads * 128, 1)
   const unsigned ring_base = smem_base + Heads * kQBytes;
   const unsigned v16_base = ring_base + static_cast<unsigned>(Stages * 2 * kTileBytes);  // kConvertV
   const unsigned q_tile = smem_base + head * kQBytes;
-  const auto q_desc = ptx::smem_desc_sw128(q_tile, 16, 1024);
   loader_t load{w, a.cache, pages};
   load.template load_queries<Heads, kBlockQ>(a.queries, a.num_q_heads, smem_base);
 
@@ -724,83 +810,25 @@ __global__ void __launch_bounds__(Heads * 128, 1)
     const unsigned k_tile = ring_base + static_cast<unsigned>((t % Stages) * 2 * kTileBytes);
     const unsigned v_tile = k_tile + kTileBytes;
 
-    // S = Q K^T: 16 dims a k-step, four a 128-byte column block. The next
-    // tile's copies (another stage) are issued while the tensor cores run it.
+    // S = Q K^T, the next tile's copies (another stage) issued while the
+    // tensor cores run it; the mask and the softmax; O += P V, the tile
+    // after's V converted meanwhile.
+    constexpr bool kLag = P != pv_precision::rounded;
     float s[BlockKv / 2];
-#pragma unroll
-    for (int i = 0; i < BlockKv / 2; ++i) ptx::fence_operand(s[i]);
-    const auto k_desc = ptx::smem_desc_sw128(k_tile, 16, 1024);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < D / 16; ++k) {
-      const unsigned block = static_cast<unsigned>(k >> 2), within = static_cast<unsigned>((k & 3) * 32);
-      ptx::wgmma_ss<T, BlockKv>(s, ptx::smem_desc_add(q_desc, block * kBlockQ * 128 + within),
-                                ptx::smem_desc_add(k_desc, block * BlockKv * 128 + within), k > 0);
-    }
-    ptx::wgmma_commit();
-    load_next();
-    ptx::wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < BlockKv / 2; ++i) ptx::fence_operand(s[i]);
-
-    // The causal mask, on the tiles that reach past the warp's first row's
-    // visible keys (the last one or two of the window).
-    const int row0 = t * BlockKv;
-    if (row0 + BlockKv - 1 > vis[0] - qr) {
-#pragma unroll
-      for (int n = 0; n < BlockKv / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (row0 + 8 * n + qc + (e & 1) > vis[e >> 1]) s[4 * n + e] = kNegInf;
-    }
-    float corr[2];
-#pragma unroll
-    for (int half = 0; half < 2; ++half)
-      corr[half] =
-          prefill_softmax_step<BlockKv / 8, 4, P != pv_precision::rounded>(&s[2 * half], m[half], l[half], p.scale_log2);
-    prefill_rescale<D>(o, corr);
-    // O += P V, 16 keys a k-step (two 8-row groups of the V tile), with P
-    // and V in PT, P split or not.
-    auto accumulate_pv = [&](auto pt, auto split, unsigned v_base) {
-      using PT = typename decltype(pt)::type;
-      unsigned pa[BlockKv / 16][2][4];
-#pragma unroll
-      for (int j = 0; j < BlockKv / 16; ++j)
-        prefill_p_operand<PT, decltype(split)::value>(&s[8 * j], &s[8 * j + 4], pa[j][0], pa[j][1]);
-#pragma unroll
-      for (int i = 0; i < D / 2; ++i) ptx::fence_operand(o[i]);
-      const auto v_desc = ptx::smem_desc_sw128(v_base, BlockKv * 128, 1024);
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < BlockKv / 16; ++j) {
-        const auto v = ptx::smem_desc_add(v_desc, static_cast<unsigned>(j * 16 * 128));
-#pragma unroll
-        for (int part = 0; part < (decltype(split)::value ? 2 : 1); ++part) ptx::wgmma_rs<PT, D>(o, pa[j][part], v, true);
-      }
-      ptx::wgmma_commit();
-      prepare_v(t + 1);
-      ptx::wgmma_wait<0>();
-#pragma unroll
-      for (int i = 0; i < D / 2; ++i) ptx::fence_operand(o[i]);
-    };
+    prefill_sm90_scores<T, D, BlockKv>(s, q_tile, k_tile, load_next);
+    prefill_sm90_softmax<D, BlockKv, kLag>(s, o, m, l, t * BlockKv, vis, qr, qc, p.scale_log2);
+    auto next_v = [&] { prepare_v(t + 1); };
     if constexpr (kConvertV) {
       if (!v_split)
-        accumulate_pv(std::type_identity<__half>{}, std::false_type{},
-                      v16_base + static_cast<unsigned>((t & 1) * kTileBytes));
+        prefill_sm90_pv<__half, false, D, BlockKv>(o, s, v16_base + static_cast<unsigned>((t & 1) * kTileBytes), next_v);
       else
-        accumulate_pv(std::type_identity<T>{}, std::true_type{}, v_tile);
+        prefill_sm90_pv<T, true, D, BlockKv>(o, s, v_tile, next_v);
     } else {  // fp16 over an fp16 cache is split (see pv_precision)
-      accumulate_pv(std::type_identity<T>{}, std::bool_constant<P != pv_precision::rounded>{}, v_tile);
+      prefill_sm90_pv<T, kLag, D, BlockKv>(o, s, v_tile, next_v);
     }
   }
   cp_async_wait<0>();
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const float sum = prefill_row_sum(l[half]);
-    const int q = q0 + 8 * half;
-    if (q < w.q_rows)
-      prefill_store_row<T, D, 4>(a, (w.q_row0 + q) * a.num_q_heads + w.hq0 + head, &o[2 * half], m[half], sum, qc);
-  }
+  prefill_sm90_store<T, D>(a, w, o, m, l, q0, head, qc);
 #else
   __trap();  // launched only where the loaded build targets sm_90a (built_for_sm90a)
 #endif
