@@ -201,7 +201,8 @@ void BM_tensor_core_peak(benchmark::State& state) {
 /// variants at each: P split (pv:split) or rounded once (pv:rounded) in
 /// place of the default fp16, one query head per CTA (heads:1), the
 /// portable mma.sync kernel where `automatic` picks the Hopper one
-/// (kernel:portable, which runs fp16 as split; also with pv:rounded).
+/// (kernel:portable, which runs fp16 as split; also with pv:rounded), the
+/// warp-specialised Hopper kernel (kernel:hopper_ws).
 void register_prefill(const bench::sweep& axes) {
   auto add = [](const std::string& id, std::int64_t t, variant v) {
     benchmark::RegisterBenchmark(id.c_str(), [=](benchmark::State& state) {
@@ -221,6 +222,8 @@ void register_prefill(const bench::sweep& axes) {
       add("BM_prefill_variant/" + mode + "/heads:1" + at, t, {sparse, kPv, 1});
       add("BM_prefill_variant/" + mode + "/kernel:portable" + at, t, {sparse, kPv, 0, kPortable});
       add("BM_prefill_variant/" + mode + "/kernel:portable/pv:rounded" + at, t, {sparse, kRounded, 0, kPortable});
+      add("BM_prefill_variant/" + mode + "/kernel:hopper_ws" + at, t,
+          {sparse, kPv, 0, attention::prefill_kernel::hopper_ws});
     }
 }
 

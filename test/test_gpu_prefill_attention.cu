@@ -459,6 +459,41 @@ TEST_CASE("the running max may lag a row's true max by 2^8, and catches up past 
   });
 }
 
+TEST_CASE("the warp-specialised Hopper kernel meets the same rules", "[gpu][prefill][attention]") {
+  HISPARSE_REQUIRE_GPU();
+  gpu_limits gpu{};
+  REQUIRE(current_gpu_limits(gpu) == status::success);
+  if (gpu.cc_major != 9 || !hisparse::detail::built_for_sm90a()) {
+    std::printf("HISPARSE_TEST_SKIPPED: the warp-specialised kernel needs an sm_90 device and an sm_90a build\n");
+    WARN("skipped: needs an sm_90 device and an sm_90a build");
+    return;
+  }
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  run_options how;
+  how.kernel = attention::prefill_kernel::hopper_ws;
+  for (const int dim : {64, 128}) {
+    INFO("head_dim " << dim);
+    const SparseAttentionConfig small{128, 256, 32, 4, 6, 64};
+    const auto p = test::make_problem<bf16>({8, 2, dim}, small, {33, 1000, 9001}, seed + dim);
+    check_prefill(p, run_prefill(p, {33, 150, 100}, seed + 7, how), true, 5);
+    const auto h = test::make_problem<__half>({8, 2, dim}, small, {700, 4001}, seed + dim + 1);
+    check_prefill(h, run_prefill(h, {130, 100}, seed + 8, how), true, 5);
+  }
+  auto p = test::make_problem<bf16>({32, 8, 128}, SparseAttentionConfig{}, {300, 20000}, seed);
+  check_prefill(p, run_prefill(p, {300, 200}, seed + 1, how), true);
+  check_prefill(p, run_prefill<bf16, attention::pv_precision::rounded>(p, {300, 200}, seed + 2, how), true, 7, true);
+  how.sparse = false;
+  check_prefill(p, run_prefill(p, {300, 130}, seed + 3, how), false, 13);
+  // Values fp16 cannot carry: those tiles take P split over bf16 V.
+  workload::splitmix64 rng(seed + 5);
+  for (std::int64_t t = 19900; t < 19910; ++t)
+    p.values[1][static_cast<std::size_t>((t * 8 + static_cast<std::int64_t>(rng.next() % 8)) * 128 + rng.next() % 128)] =
+        from_float<bf16>(3.0e5f);
+  how.sparse = true;
+  check_prefill(p, run_prefill(p, {300, 200}, seed + 6, how), true, 3);
+}
+
 TEST_CASE("one or two query heads a CTA give the same bits", "[gpu][prefill][attention]") {
   HISPARSE_REQUIRE_GPU();
   const std::uint64_t seed = test::fresh_seed();

@@ -85,6 +85,11 @@ enum class prefill_kernel {
   /// wgmma (sm_90a), tile tuning::kPrefillTileSm90; an error where it
   /// cannot run.
   hopper,
+  /// The warp-specialised Hopper kernel (a producer warpgroup, two
+  /// consumers in ping-pong; two heads a CTA, sm_90a, head_dim 64 or 128):
+  /// the same results, not the default (slower where measured; PERF_NOTES:
+  /// Prefill attention).
+  hopper_ws,
 };
 
 /// One prefill attention over the segments of a prefill selection (the same
@@ -256,6 +261,9 @@ struct prefill_loader {
   const T** pages;  ///< the ring, kPrefillPageRing entries of shared memory
   int chunk = threadIdx.x % kChunks, row_in_pass = threadIdx.x / kChunks;
   int page_base = 0, page_end = 0;
+  /// The barrier the loading threads share: 0 the CTA's, else named
+  /// barrier bar_id of Threads threads (a producer warpgroup).
+  unsigned bar_id = 0;
 
   /// The Q rows of Heads heads, RowsPerHead positions each (BlockQ-row
   /// tiles one after another); rows past the tile's queries are zero.
@@ -338,8 +346,12 @@ struct prefill_loader {
   }
 
  private:
+  __device__ __forceinline__ void sync() const {
+    if (bar_id == 0) __syncthreads();
+    else ptx::named_barrier_sync(bar_id, Threads);
+  }
   __device__ __forceinline__ void fill_pages(int first) {
-    __syncthreads();  // nobody still reads the old pointers
+    sync();  // nobody still reads the old pointers
     const int F = cache.fine_slice;
     const int items = w.n_kept + (w.p_last / F - w.ws / F + 1);
     page_base = first;
@@ -348,7 +360,7 @@ struct prefill_loader {
       const int item = page_base + i;
       pages[i] = cache.page(w.seq_layer, item < w.n_kept ? w.kept[item] : w.ws / F + item - w.n_kept);
     }
-    __syncthreads();
+    sync();
   }
 };
 
@@ -834,6 +846,142 @@ __global__ void __launch_bounds__(Heads * 128, 1)
 #endif
 }
 
+/// The warp-specialised Hopper kernel (wgmma, sm_90a): warpgroup 0 the
+/// producer, warpgroups 1..Heads one query head each. The producer copies
+/// Q and each tile's K and V rows by cp.async into a ring of Stages
+/// (K | V) pairs, and where P runs in fp16 over a bf16 cache converts V in
+/// place (a tile holding a value fp16 cannot carry stays bf16 and its
+/// stage's flag sends the consumers to P split); K and V of a stage each
+/// have a full mbarrier, and the consumers free a stage through its empty
+/// mbarrier after P V. The two consumers take the tensor cores in turn
+/// (FlashAttention-3's ping-pong, two named barriers): one runs S while the
+/// other runs its softmax. Register budgets by setmaxnreg.
+template <class T, int D, int BlockKv, int Stages, int Heads, pv_precision P>
+__global__ void __launch_bounds__((Heads + 1) * 128, 1)
+    prefill_attention_sm90_ws_kernel(const __grid_constant__ prefill_attention_params<T> p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(sizeof(T) == 2 && (D == 64 || D == 128) && (BlockKv == 64 || BlockKv == 128) && Stages >= 2 &&
+                Heads == 2);
+  constexpr int kThreads = (Heads + 1) * 128;
+  constexpr int kBlockQ = 64;
+  constexpr int kRowBytes = D * 2;
+  constexpr int kQBytes = kBlockQ * kRowBytes;
+  constexpr int kTileBytes = BlockKv * kRowBytes;
+  constexpr bool kConvertV = kPrefillCopiesV<T, P>;
+  // Named barriers: 1 the producer's page ring, 2 and 3 the consumers' turns.
+  constexpr unsigned kProducerBar = 1, kTurnBar = 2;
+  using loader_t = prefill_loader<T, D, 128, true>;
+  const float kNegInf = -__int_as_float(0x7f800000);
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ const T* pages[kPrefillPageRing];
+  __shared__ __align__(8) unsigned long long full_k[Stages], full_v[Stages], empty[Stages];
+  __shared__ int v_split[Stages];
+
+  const auto& a = p.a;
+  prefill_cta_task w;
+  if (!prefill_cta_begin<T, D, Heads, kThreads>(p, w)) return;
+  const int tiles = (w.total_rows + BlockKv - 1) / BlockKv;
+  const unsigned smem_base = (smem_address(smem) + 1023u) & ~1023u;
+  const unsigned ring_base = smem_base + Heads * kQBytes;
+  const int wg = threadIdx.x >> 7;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < Stages; ++s) {
+      ptx::mbarrier_init(smem_address(&full_k[s]), 128);
+      ptx::mbarrier_init(smem_address(&full_v[s]), 128);
+      ptx::mbarrier_init(smem_address(&empty[s]), Heads * 128);
+    }
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // the producer
+    ptx::setmaxnreg_dec<56>();
+    loader_t load{w, a.cache, pages};
+    load.bar_id = kProducerBar;
+    load.template load_queries<Heads, kBlockQ>(a.queries, a.num_q_heads, smem_base);
+    // Tile u's copies have landed (this thread's): K is ready; V is
+    // checked, converted in place unless wide, and ready.
+    auto finish = [&](int u, auto pending) {
+      cp_async_wait<decltype(pending)::value>();
+      const int s = u % Stages;
+      ptx::fence_proxy_async_shared();
+      ptx::mbarrier_arrive(smem_address(&full_k[s]));
+      if constexpr (kConvertV) {
+        const unsigned v = ring_base + static_cast<unsigned>(s * 2 * kTileBytes + kTileBytes);
+        unsigned top = 0;
+        load.template for_own_chunks<BlockKv>([&](unsigned off) {
+          const uint4 b = ptx::ld_shared_v4(v + off);
+          top = __vimax3_s16x2(b.x & 0x7FFF7FFFu, b.y & 0x7FFF7FFFu, top);
+          top = __vimax3_s16x2(b.z & 0x7FFF7FFFu, b.w & 0x7FFF7FFFu, top);
+        });
+        const bool wide = ptx::named_barrier_or(kProducerBar, 128, max(top & 0xFFFFu, top >> 16) >= 0x4780u);
+        if (!wide) {
+          load.template for_own_chunks<BlockKv>([&](unsigned off) {
+            const uint4 b = ptx::ld_shared_v4(v + off);
+            ptx::st_shared_v4(v + off, uint4{ptx::bf16x2_to_f16x2(b.x), ptx::bf16x2_to_f16x2(b.y),
+                                             ptx::bf16x2_to_f16x2(b.z), ptx::bf16x2_to_f16x2(b.w)});
+          });
+          ptx::fence_proxy_async_shared();
+        }
+        if (threadIdx.x == 0) v_split[s] = wide;
+      }
+      ptx::mbarrier_arrive(smem_address(&full_v[s]));
+    };
+    for (int t = 0; t < tiles; ++t) {
+      const int s = t % Stages;
+      if (t >= Stages) ptx::mbarrier_wait(smem_address(&empty[s]), static_cast<unsigned>((t / Stages - 1) & 1));
+      load.template load_ring<BlockKv>(t, Stages, ring_base, a.queries);
+      cp_async_commit();  // Q rides with tile 0
+      if (t > 0) finish(t - 1, std::integral_constant<int, 1>{});
+    }
+    if (tiles > 0) finish(tiles - 1, std::integral_constant<int, 0>{});
+    return;
+  }
+
+  // A consumer: query head hq0 + head.
+  ptx::setmaxnreg_inc<224>();
+  const int head = wg - 1, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  const unsigned q_tile = smem_base + head * kQBytes;
+  const int qr = lane >> 2, qc = (lane & 3) * 2;
+  const int q0 = 16 * warp + qr;
+  const int vis[2] = {w.visible0 + q0, w.visible0 + q0 + 8};
+  float m[2] = {kNegInf, kNegInf}, l[2] = {0.0f, 0.0f};
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+  // Turns: consumer 0 goes first; each hands the tensor cores over once
+  // its S has run (consumer 1 skips its last hand-over: every bar.sync
+  // meets exactly one bar.arrive).
+  const unsigned my_turn = kTurnBar + head, other_turn = kTurnBar + (head ^ 1);
+  if (head == 1) ptx::named_barrier_arrive(other_turn, 256);
+  for (int t = 0; t < tiles; ++t) {
+    const int s = t % Stages;
+    const unsigned phase = static_cast<unsigned>((t / Stages) & 1);
+    const unsigned k_tile = ring_base + static_cast<unsigned>(s * 2 * kTileBytes), v_tile = k_tile + kTileBytes;
+    ptx::mbarrier_wait(smem_address(&full_k[s]), phase);
+    ptx::named_barrier_sync(my_turn, 256);
+    float sc[BlockKv / 2];
+    prefill_sm90_scores<T, D, BlockKv>(sc, q_tile, k_tile, [] {});
+    if (head == 0 || t + 1 < tiles) ptx::named_barrier_arrive(other_turn, 256);
+    constexpr bool kLag = P != pv_precision::rounded;
+    prefill_sm90_softmax<D, BlockKv, kLag>(sc, o, m, l, t * BlockKv, vis, qr, qc, p.scale_log2);
+    ptx::mbarrier_wait(smem_address(&full_v[s]), phase);
+    if constexpr (kConvertV) {
+      if (!v_split[s])
+        prefill_sm90_pv<__half, false, D, BlockKv>(o, sc, v_tile, [] {});
+      else
+        prefill_sm90_pv<T, true, D, BlockKv>(o, sc, v_tile, [] {});
+    } else {
+      prefill_sm90_pv<T, kLag, D, BlockKv>(o, sc, v_tile, [] {});
+    }
+    ptx::mbarrier_arrive(smem_address(&empty[s]));
+  }
+  prefill_sm90_store<T, D>(a, w, o, m, l, q0, head, qc);
+#else
+  __trap();  // launched only where the loaded build targets sm_90a (built_for_sm90a)
+#endif
+}
+
 template <class T, int D, tile_policy Tile, int MTiles, pv_precision P>
 status launch_prefill_attention(const prefill_attention_params<T>& p, int smem_bytes, cudaStream_t stream) {
   constexpr auto kernel =
@@ -862,6 +1010,23 @@ status launch_prefill_attention_sm90(const prefill_attention_params<T>& p, int s
   kernel<<<static_cast<unsigned>(ctas), Heads * 128, static_cast<std::size_t>(smem_bytes), stream>>>(p);
   HISPARSE_CUDA_TRY(cudaGetLastError());
   return status::success;
+}
+
+template <class T, int D, pv_precision P>
+status launch_prefill_attention_sm90_ws(const prefill_attention_params<T>& p, int smem_bytes, cudaStream_t stream) {
+  constexpr int kStages = 3;
+  constexpr auto kernel = &prefill_attention_sm90_ws_kernel<T, D, 128, kStages, 2, P>;
+  HISPARSE_TRY(hisparse::detail::raise_dynamic_smem<kernel>(smem_bytes));
+  const std::int64_t ctas = std::int64_t{p.a.num_tiles} * (p.a.num_q_heads / 2);
+  kernel<<<static_cast<unsigned>(ctas), 3 * 128, static_cast<std::size_t>(smem_bytes), stream>>>(p);
+  HISPARSE_CUDA_TRY(cudaGetLastError());
+  return status::success;
+}
+
+/// The warp-specialised kernel's dynamic shared memory: two heads' Q, three
+/// stages of (K | V), 1024 bytes of alignment.
+HISPARSE_HOST_DEVICE constexpr int prefill_sm90_ws_smem_bytes(int head_dim) {
+  return 2 * prefill_tile_bytes(64, head_dim, 2) + 3 * 2 * prefill_tile_bytes(128, head_dim, 2) + 1024;
 }
 
 /// The Hopper kernel's dynamic shared memory: Q and the ring as
@@ -944,6 +1109,20 @@ template <class T, tile_policy Tile = kPrefillTile, pv_precision P = kPrefillPv>
   p.group = a.num_q_heads / a.cache.kv_heads;
   const float scale = a.softmax_scale > 0.0f ? a.softmax_scale : 1.0f / std::sqrt(static_cast<float>(a.cache.head_dim));
   p.scale_log2 = scale * detail::kPrefillLog2e;
+  if (a.kernel == prefill_kernel::hopper_ws) {
+    const int smem = detail::prefill_sm90_ws_smem_bytes(a.cache.head_dim);
+    if (heads != 2 || !detail::prefill_sm90_runs<T, P>(a, heads, gpu) ||
+        smem + static_cast<int>(detail::kPrefillPageRing * sizeof(void*)) > gpu.smem_per_block)
+      return fail(status::invalid_argument,
+                  "prefill attention: the warp-specialised kernel takes two heads a CTA and needs an sm_90 device, "
+                  "an sm_90a build, a 2-byte type, head_dim 64 or 128 and " + std::to_string(smem) +
+                      " bytes of shared memory a CTA");
+    p.stages = 3;
+    if constexpr (sizeof(T) == 2) {
+      if (a.cache.head_dim == 64) return detail::launch_prefill_attention_sm90_ws<T, 64, P>(p, smem, stream);
+      return detail::launch_prefill_attention_sm90_ws<T, 128, P>(p, smem, stream);
+    }
+  }
   if (a.kernel != prefill_kernel::portable && detail::prefill_sm90_runs<T, P>(a, heads, gpu)) {
     p.stages = tuning::kPrefillTileSm90.stages;
     const int smem = detail::prefill_sm90_smem_bytes(heads, a.cache.head_dim, detail::kPrefillCopiesV<T, P>);

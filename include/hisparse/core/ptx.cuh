@@ -362,6 +362,56 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void fence_proxy_async_shared() {
   HISPARSE_WGMMA_ASM("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
+// ---- mbarriers, named barriers and register budgets (sm_90) ----------------
+
+/// Initialises the mbarrier at shared address `bar` for `count` arrivals a phase.
+__device__ __forceinline__ void mbarrier_init(unsigned bar, unsigned count) {
+  HISPARSE_WGMMA_ASM("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+/// One arrival (release: this thread's earlier writes are seen by a waiter).
+__device__ __forceinline__ void mbarrier_arrive(unsigned bar) {
+  HISPARSE_WGMMA_ASM("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+/// Waits until the phase of parity `parity` has completed (acquire).
+__device__ __forceinline__ void mbarrier_wait(unsigned bar, unsigned parity) {
+  HISPARSE_WGMMA_ASM(
+      "{\n.reg .pred done;\nwait:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+/// The barrier `id` (1..15) of `threads` threads: wait for all of them.
+__device__ __forceinline__ void named_barrier_sync(unsigned id, unsigned threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+/// The barrier `id` of `threads` threads: count this warp in, do not wait.
+__device__ __forceinline__ void named_barrier_arrive(unsigned id, unsigned threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+/// The barrier `id` of `threads` threads: wait, and return whether any
+/// of them passed true.
+__device__ __forceinline__ bool named_barrier_or(unsigned id, unsigned threads, bool p) {
+  unsigned r;
+  asm volatile(
+      "{\n.reg .pred in, out;\nsetp.ne.u32 in, %1, 0;\n"
+      "bar.red.or.pred out, %2, %3, in;\nselp.u32 %0, 1, 0, out;\n}\n"
+      : "=r"(r)
+      : "r"(static_cast<unsigned>(p)), "r"(id), "r"(threads)
+      : "memory");
+  return r != 0;
+}
+/// The warpgroup's register budget a thread: raised (consumers) or lowered
+/// (a producer), all four warps together.
+template <unsigned N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  HISPARSE_WGMMA_ASM("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <unsigned N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  HISPARSE_WGMMA_ASM("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
 /// Keeps the compiler from moving uses of a wgmma accumulator or operand
 /// register across the asynchronous instructions.
 __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
