@@ -9,16 +9,17 @@
 //    8192^3, the dense tensor-core rate the attention's FLOPs are held to.
 // Each counts the FLOPs it attends: 4 D per (query, query head, key) (2 D
 // for Q K^T, 2 D for P V). Axes from the command line (bench_main.hpp):
-// --context. With HISPARSE_DUMP_KEPT=DIR the sparse run writes its kept
-// slices there (kept_T.i32: [tiles][kv_heads][top_k_fine], num_T.i32:
-// [tiles][kv_heads]) for scripts/flex_prefill.py, which times FlexAttention
-// on the same mask.
+// --context. With HISPARSE_DUMP_KEPT=DIR (made if missing) the sparse run
+// writes its kept slices there (kept_T.i32: [tiles][kv_heads][top_k_fine],
+// num_T.i32: [tiles][kv_heads]) for scripts/flex_prefill.py, which times
+// FlexAttention on the same mask.
 #include <benchmark/benchmark.h>
 
 #include <cublas_v2.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -152,17 +153,21 @@ void prefill(benchmark::State& state, std::int32_t context, variant v) {
   for (auto& e : ev) HISPARSE_CUDA_CHECK(cudaEventDestroy(e));
   if (const char* dir = std::getenv("HISPARSE_DUMP_KEPT"); dir != nullptr && sparse && v.pv == attention::kPrefillPv &&
       v.heads_per_cta == 0 && v.kernel == attention::prefill_kernel::automatic) {
+    std::error_code made;
+    std::filesystem::create_directories(dir, made);  // a failure shows as the write's
+    // The run goes on where a file cannot be written; this benchmark reports the error.
     auto dump = [&](const char* name, const device_array<std::int32_t>& d, std::size_t n) {
       std::vector<std::int32_t> h(n);
       HISPARSE_CUDA_CHECK(cudaMemcpy(h.data(), d.ptr, n * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
       const std::string path = std::string(dir) + "/" + name + "_" + std::to_string(context) + ".i32";
       std::FILE* f = std::fopen(path.c_str(), "wb");
-      if (f == nullptr || std::fwrite(h.data(), sizeof(std::int32_t), n, f) != n)
-        throw error(status::invalid_argument, "cannot write " + path);
-      std::fclose(f);
+      const bool written = f != nullptr && std::fwrite(h.data(), sizeof(std::int32_t), n, f) == n;
+      if (f != nullptr && std::fclose(f) == 0 && written) return true;
+      state.SkipWithError(("cannot write " + path).c_str());
+      return false;
     };
-    dump("kept", kept, static_cast<std::size_t>(tiles) * kKvHeads * cfg.top_k_fine);
-    dump("num", num, static_cast<std::size_t>(tiles) * kKvHeads);
+    if (dump("kept", kept, static_cast<std::size_t>(tiles) * kKvHeads * cfg.top_k_fine))
+      dump("num", num, static_cast<std::size_t>(tiles) * kKvHeads);
   }
 }
 
