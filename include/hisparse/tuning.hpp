@@ -112,6 +112,15 @@ inline constexpr tile_policy kPrefillTile{64, 64, 4, 2};
 /// CTA, one CTA an SM; 3 stages (225 KB) and FlashAttention-3's in-warpgroup
 /// overlap both measured slower (PERF_NOTES: prefill attention).
 inline constexpr tile_policy kPrefillTileSm90{64, 128, 4, 2};
+/// The warp-specialised Hopper schedule (prefill_kernel::hopper_ws): a ring
+/// of 3 (K | V) stages of 128 keys with V converted in place (Q 32 KB + 192
+/// KB at head_dim 128, within 227 KB), and the register split of its 384
+/// threads, 56 a producer thread and 224 a consumer's (2 x 128 x 224 + 128
+/// x 56 <= 64K; ptxas at head_dim 128: 4 B of spill, 28-204 B with less for
+/// the producer; PERF_NOTES: prefill attention).
+inline constexpr int kPrefillWsStages = 3;
+inline constexpr int kPrefillWsProducerRegs = 56;
+inline constexpr int kPrefillWsConsumerRegs = 224;
 /// CTAs an SM the prefill kernel is compiled for (its register budget):
 /// three at head_dim 64 with one m16 tile a warp (four spilled), else two
 /// (255 registers; two tiles at head_dim 128 spill 48-84 B, still 15% faster

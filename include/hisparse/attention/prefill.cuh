@@ -895,7 +895,7 @@ __global__ void __launch_bounds__((Heads + 1) * 128, 1)
   __syncthreads();
 
   if (wg == 0) {  // the producer
-    ptx::setmaxnreg_dec<56>();
+    ptx::setmaxnreg_dec<tuning::kPrefillWsProducerRegs>();
     loader_t load{w, a.cache, pages};
     load.bar_id = kProducerBar;
     load.template load_queries<Heads, kBlockQ>(a.queries, a.num_q_heads, smem_base);
@@ -939,7 +939,7 @@ __global__ void __launch_bounds__((Heads + 1) * 128, 1)
   }
 
   // A consumer: query head hq0 + head.
-  ptx::setmaxnreg_inc<224>();
+  ptx::setmaxnreg_inc<tuning::kPrefillWsConsumerRegs>();
   const int head = wg - 1, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
   const unsigned q_tile = smem_base + head * kQBytes;
   const int qr = lane >> 2, qc = (lane & 3) * 2;
@@ -1014,8 +1014,7 @@ status launch_prefill_attention_sm90(const prefill_attention_params<T>& p, int s
 
 template <class T, int D, pv_precision P>
 status launch_prefill_attention_sm90_ws(const prefill_attention_params<T>& p, int smem_bytes, cudaStream_t stream) {
-  constexpr int kStages = 3;
-  constexpr auto kernel = &prefill_attention_sm90_ws_kernel<T, D, 128, kStages, 2, P>;
+  constexpr auto kernel = &prefill_attention_sm90_ws_kernel<T, D, 128, tuning::kPrefillWsStages, 2, P>;
   HISPARSE_TRY(hisparse::detail::raise_dynamic_smem<kernel>(smem_bytes));
   const std::int64_t ctas = std::int64_t{p.a.num_tiles} * (p.a.num_q_heads / 2);
   kernel<<<static_cast<unsigned>(ctas), 3 * 128, static_cast<std::size_t>(smem_bytes), stream>>>(p);
@@ -1023,10 +1022,11 @@ status launch_prefill_attention_sm90_ws(const prefill_attention_params<T>& p, in
   return status::success;
 }
 
-/// The warp-specialised kernel's dynamic shared memory: two heads' Q, three
+/// The warp-specialised kernel's dynamic shared memory: two heads' Q, the
 /// stages of (K | V), 1024 bytes of alignment.
 HISPARSE_HOST_DEVICE constexpr int prefill_sm90_ws_smem_bytes(int head_dim) {
-  return 2 * prefill_tile_bytes(64, head_dim, 2) + 3 * 2 * prefill_tile_bytes(128, head_dim, 2) + 1024;
+  return 2 * prefill_tile_bytes(64, head_dim, 2) +
+         tuning::kPrefillWsStages * 2 * prefill_tile_bytes(128, head_dim, 2) + 1024;
 }
 
 /// The Hopper kernel's dynamic shared memory: Q and the ring as
@@ -1117,7 +1117,7 @@ template <class T, tile_policy Tile = kPrefillTile, pv_precision P = kPrefillPv>
                   "prefill attention: the warp-specialised kernel takes two heads a CTA and needs an sm_90 device, "
                   "an sm_90a build, a 2-byte type, head_dim 64 or 128 and " + std::to_string(smem) +
                       " bytes of shared memory a CTA");
-    p.stages = 3;
+    p.stages = tuning::kPrefillWsStages;
     if constexpr (sizeof(T) == 2) {
       if (a.cache.head_dim == 64) return detail::launch_prefill_attention_sm90_ws<T, 64, P>(p, smem, stream);
       return detail::launch_prefill_attention_sm90_ws<T, 128, P>(p, smem, stream);
