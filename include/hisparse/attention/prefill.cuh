@@ -625,26 +625,37 @@ __global__ void __launch_bounds__(Warps * 32, tuning::prefill_attention_ctas_per
 template <class T, pv_precision P>
 inline constexpr bool kPrefillCopiesV = P == pv_precision::fp16 && std::is_same_v<T, __nv_bfloat16>;
 
+/// V's fp16 range check. A 16-byte chunk of bf16 folds into `top`, the
+/// running maximum of its magnitudes: non-negative as signed 16-bit halves,
+/// so a three-way max a word pair (VIMNMX3 on sm_90). A tile holds a value
+/// fp16 cannot carry (|v| >= 65536, the first bf16 past 65504, Inf or NaN)
+/// where a magnitude's bits reach 0x4780.
+__device__ __forceinline__ unsigned prefill_v_top(unsigned top, uint4 b) {
+  constexpr unsigned kMagnitude = 0x7FFF7FFFu;
+  top = __vimax3_s16x2(b.x & kMagnitude, b.y & kMagnitude, top);
+  return __vimax3_s16x2(b.z & kMagnitude, b.w & kMagnitude, top);
+}
+__device__ __forceinline__ bool prefill_v_wide(unsigned top) { return max(top & 0xFFFFu, top >> 16) >= 0x4780u; }
+/// A 16-byte chunk of bf16 as fp16.
+__device__ __forceinline__ uint4 prefill_v_f16(uint4 b) {
+  return uint4{ptx::bf16x2_to_f16x2(b.x), ptx::bf16x2_to_f16x2(b.y), ptx::bf16x2_to_f16x2(b.z),
+               ptx::bf16x2_to_f16x2(b.w)};
+}
+
 /// Copies this thread's chunks of a bf16 tile (Loader::for_own_chunks) at
 /// shared address `src` to fp16 at `dst`, same layout, and makes them
-/// visible to wgmma. Returns whether they hold a value fp16 cannot carry:
-/// |v| >= 65536 (the first bf16 past 65504), Inf or NaN, i.e. a magnitude's
-/// bits >= 0x4780. The magnitudes are non-negative as signed 16-bit halves,
-/// so their running maximum is a three-way max a word pair (VIMNMX3 on
-/// sm_90).
+/// visible to wgmma. Returns whether they hold a value fp16 cannot carry
+/// (prefill_v_wide).
 template <int BlockKv, class Loader>
 __device__ __forceinline__ bool prefill_v_to_fp16(const Loader& load, unsigned src, unsigned dst) {
-  constexpr unsigned kMagnitude = 0x7FFF7FFFu;
   unsigned top = 0;
   load.template for_own_chunks<BlockKv>([&](unsigned off) {
     const uint4 b = ptx::ld_shared_v4(src + off);
-    top = __vimax3_s16x2(b.x & kMagnitude, b.y & kMagnitude, top);
-    top = __vimax3_s16x2(b.z & kMagnitude, b.w & kMagnitude, top);
-    ptx::st_shared_v4(dst + off, uint4{ptx::bf16x2_to_f16x2(b.x), ptx::bf16x2_to_f16x2(b.y),
-                                       ptx::bf16x2_to_f16x2(b.z), ptx::bf16x2_to_f16x2(b.w)});
+    top = prefill_v_top(top, b);
+    ptx::st_shared_v4(dst + off, prefill_v_f16(b));
   });
   ptx::fence_proxy_async_shared();
-  return max(top & 0xFFFFu, top >> 16) >= 0x4780u;
+  return prefill_v_wide(top);
 }
 
 /// S = Q K^T of a warpgroup's 64 rows by BlockKv keys on wgmma, Q and K
@@ -832,7 +843,8 @@ __global__ void __launch_bounds__(Heads * 128, 1)
     auto next_v = [&] { prepare_v(t + 1); };
     if constexpr (kConvertV) {
       if (!v_split)
-        prefill_sm90_pv<__half, false, D, BlockKv>(o, s, v16_base + static_cast<unsigned>((t & 1) * kTileBytes), next_v);
+        prefill_sm90_pv<__half, false, D, BlockKv>(o, s, v16_base + static_cast<unsigned>((t & 1) * kTileBytes),
+                                                   next_v);
       else
         prefill_sm90_pv<T, true, D, BlockKv>(o, s, v_tile, next_v);
     } else {  // fp16 over an fp16 cache is split (see pv_precision)
@@ -908,19 +920,14 @@ __global__ void __launch_bounds__((Heads + 1) * 128, 1)
       ptx::mbarrier_arrive(smem_address(&full_k[s]));
       if constexpr (kConvertV) {
         const unsigned v = ring_base + static_cast<unsigned>(s * 2 * kTileBytes + kTileBytes);
+        // In place, so the whole tile is checked before any of it changes.
         unsigned top = 0;
-        load.template for_own_chunks<BlockKv>([&](unsigned off) {
-          const uint4 b = ptx::ld_shared_v4(v + off);
-          top = __vimax3_s16x2(b.x & 0x7FFF7FFFu, b.y & 0x7FFF7FFFu, top);
-          top = __vimax3_s16x2(b.z & 0x7FFF7FFFu, b.w & 0x7FFF7FFFu, top);
-        });
-        const bool wide = ptx::named_barrier_or(kProducerBar, 128, max(top & 0xFFFFu, top >> 16) >= 0x4780u);
+        load.template for_own_chunks<BlockKv>(
+            [&](unsigned off) { top = prefill_v_top(top, ptx::ld_shared_v4(v + off)); });
+        const bool wide = ptx::named_barrier_or(kProducerBar, 128, prefill_v_wide(top));
         if (!wide) {
-          load.template for_own_chunks<BlockKv>([&](unsigned off) {
-            const uint4 b = ptx::ld_shared_v4(v + off);
-            ptx::st_shared_v4(v + off, uint4{ptx::bf16x2_to_f16x2(b.x), ptx::bf16x2_to_f16x2(b.y),
-                                             ptx::bf16x2_to_f16x2(b.z), ptx::bf16x2_to_f16x2(b.w)});
-          });
+          load.template for_own_chunks<BlockKv>(
+              [&](unsigned off) { ptx::st_shared_v4(v + off, prefill_v_f16(ptx::ld_shared_v4(v + off))); });
           ptx::fence_proxy_async_shared();
         }
         if (threadIdx.x == 0) v_split[s] = wide;
