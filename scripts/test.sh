@@ -45,6 +45,12 @@ elapsed "consumers built and run"
 # kernels, opcheck, torch.compile. Needs an interpreter with torch:
 # HISPARSE_PYTHON, else python3; without one the step says it is skipped.
 py=${HISPARSE_PYTHON:-python3}
+# HISPARSE_PYTHON_PENDING: the pid of a still-running install of that
+# interpreter's packages (.ci/run starts one beside the build).
+if [ -n "${HISPARSE_PYTHON_PENDING:-}" ]; then
+  while kill -0 "$HISPARSE_PYTHON_PENDING" 2>/dev/null; do sleep 2; done
+  elapsed "interpreter's packages installed"
+fi
 if "$py" -c "import torch, pytest" 2>/dev/null; then
   # The kernel instances come from the build above (HISPARSE_INSTANCES):
   # only the bindings compile here.
@@ -56,5 +62,6 @@ if "$py" -c "import torch, pytest" 2>/dev/null; then
 else
   python_note="python tests SKIPPED: no interpreter with torch and pytest (set HISPARSE_PYTHON)"
   echo "scripts/test.sh: $python_note"
+  if [ -n "${HISPARSE_PYTHON_LOG:-}" ]; then tail -5 "$HISPARSE_PYTHON_LOG"; fi
 fi
 echo "scripts/test.sh: all CPU tests passed; consumers built against the installed package; $python_note"
