@@ -329,6 +329,12 @@ class hierarchical_decode {
     d.top_k_fine = cfg_.top_k_fine;
     d.window = cfg_.window;
     d.max_items = std::min(attention::sparse_max_items(cfg_), a.cache.max_slices);
+    // Pairs that reuse their TopK entry start on it without waiting for
+    // the selection (decode_attention_arguments::reuse_entries).
+    d.reuse_entries = !cfg_.refresh.every_step() && a.cache.topk.entries != nullptr &&
+                      a.cache.topk.slices >= cfg_.top_k_fine;
+    d.refresh = cfg_.refresh;
+    d.fingerprint = select::detail::selection_fingerprint(cfg_);
     return d;
   }
 
