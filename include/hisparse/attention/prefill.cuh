@@ -1021,7 +1021,8 @@ status launch_prefill_attention_sm90(const prefill_attention_params<T>& p, int s
 
 template <class T, int D, pv_precision P>
 status launch_prefill_attention_sm90_ws(const prefill_attention_params<T>& p, int smem_bytes, cudaStream_t stream) {
-  constexpr auto kernel = &prefill_attention_sm90_ws_kernel<T, D, 128, tuning::kPrefillWsStages, 2, P>;
+  constexpr tile_policy kTile = tuning::kPrefillTileSm90;
+  constexpr auto kernel = &prefill_attention_sm90_ws_kernel<T, D, kTile.block_kv, tuning::kPrefillWsStages, 2, P>;
   HISPARSE_TRY(hisparse::detail::raise_dynamic_smem<kernel>(smem_bytes));
   const std::int64_t ctas = std::int64_t{p.a.num_tiles} * (p.a.num_q_heads / 2);
   kernel<<<static_cast<unsigned>(ctas), 3 * 128, static_cast<std::size_t>(smem_bytes), stream>>>(p);
@@ -1032,8 +1033,9 @@ status launch_prefill_attention_sm90_ws(const prefill_attention_params<T>& p, in
 /// The warp-specialised kernel's dynamic shared memory: two heads' Q, the
 /// stages of (K | V), 1024 bytes of alignment.
 HISPARSE_HOST_DEVICE constexpr int prefill_sm90_ws_smem_bytes(int head_dim) {
-  return 2 * prefill_tile_bytes(64, head_dim, 2) +
-         tuning::kPrefillWsStages * 2 * prefill_tile_bytes(128, head_dim, 2) + 1024;
+  constexpr tile_policy kTile = tuning::kPrefillTileSm90;
+  return 2 * prefill_tile_bytes(kTile.block_q, head_dim, 2) +
+         tuning::kPrefillWsStages * 2 * prefill_tile_bytes(kTile.block_kv, head_dim, 2) + 1024;
 }
 
 /// The Hopper kernel's dynamic shared memory: Q and the ring as
