@@ -915,6 +915,99 @@ TEST_CASE("TopK cache: a drifting decode stream reuses and refreshes as the refe
     }
 }
 
+namespace {
+/// Entry i's verdict by the selection's CTA-wide test (sel) and by the
+/// attention's one-warp test (att: the kept count, or -1 to wait).
+template <int D>
+__global__ void topk_verdicts(const __nv_bfloat16* q, int group, const std::int32_t* entries, int stride,
+                              int query_offset, const float* min_cosine, std::int32_t p0, std::int32_t fingerprint,
+                              int top_k_fine, int* sel, int* att) {
+  __shared__ float red[3 * select::detail::kSelectWarps];
+  const int i = static_cast<int>(blockIdx.x), t = static_cast<int>(threadIdx.x);
+  const std::int32_t* e = entries + std::int64_t{i} * stride;
+  const __nv_bfloat16* qi = q + std::int64_t{i} * group * D;
+  const refresh_rule rule{4, min_cosine[i]};
+  const float my_q = t < D ? kv::group_query_sum(qi + t, group, D) : 0.0f;
+  const bool s = select::detail::reuse_topk_entry<D>(e, p0, rule, fingerprint, top_k_fine, query_offset, my_q, red);
+  if (t == 0) sel[i] = s ? 1 : 0;
+  if (t < 32) {
+    int count = 0;
+    const bool a = kv::warp_reuse_topk_entry<D>(e, p0, rule, fingerprint, top_k_fine, query_offset, qi, group, count);
+    if (t == 0) att[i] = a ? count : -1;
+  }
+}
+}  // namespace
+
+TEST_CASE("TopK verdict: the attention's one-warp test agrees with the selection's at the threshold",
+          "[gpu][attention][topk_cache]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  constexpr int D = 128, group = 4, kf = 16, n = 1024;
+  const std::int32_t p0 = 5000, fp = 12345;
+  const int stride = kv::topk_cache_ref::words(kf, D), qoff = kv::topk_cache_ref{nullptr, kf, stride}.query_offset();
+  workload::splitmix64 rng(seed);
+  std::vector<__nv_bfloat16> q(static_cast<std::size_t>(n) * group * D);
+  std::vector<std::int32_t> entries(static_cast<std::size_t>(n) * stride);
+  std::vector<float> min_cos(n);
+  int odd = 0, stale = 0;
+  for (int i = 0; i < n; ++i) {
+    std::int32_t* e = entries.data() + static_cast<std::size_t>(i) * stride;
+    std::vector<double> qs(D, 0.0);
+    for (int g = 0; g < group; ++g)
+      for (int d = 0; d < D; ++d) {
+        auto& x = q[(static_cast<std::size_t>(i) * group + g) * D + d];
+        x = from_float<__nv_bfloat16>(static_cast<float>(rng.normal()));
+        qs[d] += to_double(x);
+      }
+    // The entry's query: this one moved by a small step, so the cosine
+    // sits near 1; the threshold is its fp64 value nudged by a few ulps
+    // either way, where fp32 rounding decides.
+    const double step = 0.001 * (1 + i % 50);
+    double dot = 0, aa = 0, bb = 0;
+    for (int d = 0; d < D; ++d) {
+      const float ev = static_cast<float>(qs[d] + step * rng.normal());
+      std::memcpy(&e[qoff + d], &ev, 4);
+      dot += qs[d] * ev, aa += qs[d] * qs[d], bb += static_cast<double>(ev) * ev;
+    }
+    float c = static_cast<float>(dot / std::sqrt(aa * bb));
+    for (int k = 0; k < i % 7; ++k) c = std::nextafter(c, i % 2 ? 2.0f : -2.0f);
+    min_cos[i] = i % 97 == 0 ? -1.0f : c;
+    e[kv::topk_entry_word::made] = p0 - i % 5;  // every 4: positions 0..3 back are current, 4 is not
+    e[kv::topk_entry_word::count] = kf - i % 3;
+    e[kv::topk_entry_word::fingerprint] = i % 89 == 0 ? fp + 1 : fp;
+    e[kv::topk_entry_word::generation] = i % 31 == 0 ? 7 : 2 * (i % 4);  // odd: being rewritten
+    odd += i % 31 == 0;
+    stale += i % 5 == 4;
+  }
+  dev<__nv_bfloat16> d_q(q);
+  dev<std::int32_t> d_e(entries);
+  dev<float> d_min(min_cos);
+  dev<int> sel(n), att(n);
+  sel.poison(nullptr);
+  att.poison(nullptr);
+  topk_verdicts<D><<<n, select::detail::kSelectThreads>>>(d_q.ptr, group, d_e.ptr, stride, qoff, d_min.ptr, p0, fp,
+                                                          kf, sel.ptr, att.ptr);
+  HISPARSE_CUDA_CHECK(cudaGetLastError());
+  HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto s = sel.download(), a = att.download();
+  int reused = 0, refreshed = 0;
+  for (int i = 0; i < n; ++i) {
+    INFO("entry " << i << ", min_cosine " << min_cos[i]);
+    REQUIRE((s[i] == 0 || s[i] == 1));
+    if (i % 31 == 0) {  // the selection does not look at the lock; the attention waits
+      REQUIRE(a[i] == -1);
+      continue;
+    }
+    REQUIRE(a[i] == (s[i] ? kf - i % 3 : -1));
+    if (i % 5 == 4 || i % 89 == 0) REQUIRE(s[i] == 0);
+    (s[i] ? reused : refreshed) += 1;
+  }
+  INFO("reused " << reused << ", refreshed " << refreshed << ", locked " << odd << ", stale " << stale);
+  CHECK(reused > n / 4);     // the nudges land on both sides of the threshold
+  CHECK(refreshed > n / 4);
+}
+
 TEST_CASE("decode step replays from a CUDA graph with new queries and tokens", "[gpu][attention]") {
   HISPARSE_REQUIRE_GPU();
   const std::uint64_t seed = test::fresh_seed();
