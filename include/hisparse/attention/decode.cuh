@@ -50,7 +50,6 @@
 #include "hisparse/core/status.hpp"
 #include "hisparse/kv/fp8.hpp"
 #include "hisparse/kv/paged_kv_ref.hpp"
-#include "hisparse/kv/topk_entry.cuh"
 #include "hisparse/policy/tile_policy.hpp"
 #include "hisparse/tuning.hpp"
 
@@ -77,14 +76,6 @@ struct decode_attention_arguments {
   const std::int32_t* num_slices = nullptr;   ///< [batch][kv_heads]
   int top_k_fine = 0;                         ///< > 0: sparse
   int window = 0;                             ///< W, tokens (sparse)
-  /// Sparse, with a cache that keeps TopK entries and a refresh rule that
-  /// reuses them: a (sequence, KV head) whose entry this query may reuse
-  /// attends the entry's slices without waiting for the selection, which
-  /// reaches the same verdict on the same words and leaves such an entry
-  /// alone (kv/topk_entry.cuh); the others wait and read kept_slices.
-  bool reuse_entries = false;
-  refresh_rule refresh{};
-  std::int32_t fingerprint = 0;  ///< the selecting config's (select::detail::selection_fingerprint)
   /// Most slices one (sequence, KV head) attends; fixes the launch grid.
   /// Sparse: top_k_fine + window slices (sparse_max_items); dense: the
   /// cache's max_slices (or fewer, if every length in the batch is known to
@@ -621,22 +612,12 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
   // Window tiles (none when the window alone exceeds max_items: NaN below).
   const int wt = window_items > a.max_items ? 0 : (w_rows + kTileRows - 1) / kTileRows;
   const std::int32_t* kept = a.sparse() ? a.kept_slices + at * a.top_k_fine : nullptr;
-  // What the selection decides, known once waited for, or once a reusable
-  // TopK entry says (dense: now).
+  // What the selection decides, known once waited for (dense: now).
   int items = window_items, ck = 0, tiles = wt;
   bool known = !a.sparse();
-  // Every CTA of a programmatic launch waits for the selection before it
-  // ends: one that took its slices from a TopK entry does so on its way out.
-  struct wait_on_exit {
-    bool armed = false;
-    __device__ ~wait_on_exit() {
-      if (armed) wait_for_prior_grid();
-    }
-  } exit_wait;
-  __shared__ int entry_count;  // the TopK verdict: the entry's kept count, or -1 to wait for the selection
 
   if (len <= 0) {  // nothing stored: a zero output, lse -inf
-    if (a.sparse()) wait_for_prior_grid();
+    if (a.sparse()) wait_for_prior_grid();  // every CTA of a programmatic launch waits before it ends
     if (split == 0) fill_output<T, D, kThreads>(a, q_row0, heads, 0.0f, kNegInf);
     return;
   }
@@ -651,7 +632,7 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
   int page_base = 0, page_end = 0;
   auto slice_of = [&](int r) {  // slice of this CTA's item r (r >= cw: kept, the selection is known)
     const int pos = split + r * S;
-    return pos < window_items ? first_window + pos : __ldcg(kept + pos - window_items);
+    return pos < window_items ? first_window + pos : kept[pos - window_items];
   };
   auto fill_pages = [&](int first, int known_items) {  // uniform across the CTA
     __syncthreads();  // nobody still reads the old pointers
@@ -665,35 +646,15 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
   // pages. The list's entries are loaded beside num_slices (the list holds
   // top_k_fine entries, -1 past the kept count), so the chain to the first
   // kept K/V is wait -> list -> page table. Uniform across the CTA.
-  // A reusable TopK entry replaces the wait: warp 0 reaches the
-  // selection's verdict on the entry's words, and the kept list is the
-  // entry's (lists are read past L1: the selection writes entries and its
-  // output during this grid).
   auto learn_selection = [&]() {
-    bool reuse = false;
-    if (a.reuse_entries) {  // uniform
-      const std::int32_t* entry = c.topk_entry(seq_layer, h);
-      if (warp == 0) {
-        int n = 0;
-        const bool r = kv::warp_reuse_topk_entry<D>(entry, len - 1, a.refresh, a.fingerprint, a.top_k_fine,
-                                                     c.topk.query_offset(), a.queries + (std::int64_t{b} * a.num_q_heads +
-                                                                                         std::int64_t{h} * p.group) * D,
-                                                     p.group, n);
-        if (lane == 0) entry_count = r ? n : -1;
-      }
-      __syncthreads();
-      reuse = entry_count >= 0;
-      if (reuse) kept = entry + kv::topk_cache_ref::kept_offset();
-    }
-    if (reuse) exit_wait.armed = true;
-    else wait_for_prior_grid();
-    const int n_kept = reuse ? entry_count : a.num_slices[at];
+    wait_for_prior_grid();
+    const int n_kept = a.num_slices[at];
     constexpr int kPagesPerThread = (kPageRing + kThreads - 1) / kThreads;
     std::int32_t first_kept[kPagesPerThread];
 #pragma unroll
     for (int m = 0; m < kPagesPerThread; ++m) {
       const int e = split + (cw + static_cast<int>(threadIdx.x) + m * kThreads) * S - window_items;
-      first_kept[m] = e < a.top_k_fine ? __ldcg(kept + e) : -1;
+      first_kept[m] = e < a.top_k_fine ? kept[e] : -1;
     }
     items = window_items + n_kept;
     const bool valid = n_kept >= 0 && n_kept <= a.top_k_fine && items <= a.max_items;  // else NaN, below
@@ -897,8 +858,6 @@ template <class T, class KV>
     return bad("max_items " + std::to_string(a.max_items) + " must be in [1, the cache's max_slices " +
                std::to_string(c.max_slices) + "]");
   if (!(a.softmax_scale >= 0.0f) || std::isinf(a.softmax_scale)) return bad("softmax_scale must be finite and >= 0");
-  if (a.reuse_entries && (!a.sparse() || c.topk.entries == nullptr || c.topk.slices < a.top_k_fine))
-    return bad("reuse_entries needs a sparse run and a cache that keeps TopK entries of top_k_fine slices");
   return status::success;
 }
 

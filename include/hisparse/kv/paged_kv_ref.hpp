@@ -96,11 +96,10 @@ struct summary_layout {
 };
 
 /// A cache's TopK entries (config.hpp, refresh_rule): one per (sequence,
-/// layer, KV head), apart from the pages, written by the decode selection
-/// and read by it and by the decode attention (kv/topk_entry.cuh). An
-/// entry is int32 words: [0] the position of the query that selected (-1:
-/// empty), [1] its kept count, [2] the selecting config's fingerprint
-/// (decode_selection.cuh), [3] a sequence lock (odd while rewritten), then `slices`
+/// layer, KV head), apart from the pages, read and written by the decode
+/// selection only. An entry is int32 words: [0] the position of the query
+/// that selected (-1: empty), [1] its kept count, [2] the selecting
+/// config's fingerprint (decode_selection.cuh), [3] unused, then `slices`
 /// kept slice ids (ascending; padded to 4 words), then head_dim fp32 words:
 /// the selecting query's group sum.
 struct topk_cache_ref {

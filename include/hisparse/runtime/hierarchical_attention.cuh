@@ -271,12 +271,9 @@ class hierarchical_decode {
     // (PERF_NOTES: Decode step): once the blocks are ranked where one warp
     // ranks the slices, once the fine candidates are scored where a whole
     // CTA does; with the selection where it takes several waves (its last
-    // wave would hold them back). Where pairs that reuse their TopK entry
-    // start on it (reuse_entries), at once: they need nothing the selection
-    // writes.
+    // wave would hold them back).
     const bool warp_ranks = select::decode_selection_launch_profile(cfg_, a.cache.max_blocks).fine_ranked_by_one_warp;
-    const bool on_entries = attention_arguments(a, nullptr, nullptr).reuse_entries;
-    l.attention_launch = !beside || on_entries ? dependents_launch::at_start
+    l.attention_launch = !beside     ? dependents_launch::at_start
                          : warp_ranks ? dependents_launch::after_blocks
                                       : dependents_launch::after_fine_scores;
     const std::size_t rows = static_cast<std::size_t>(a.batch) * a.cache.kv_heads;
@@ -332,12 +329,6 @@ class hierarchical_decode {
     d.top_k_fine = cfg_.top_k_fine;
     d.window = cfg_.window;
     d.max_items = std::min(attention::sparse_max_items(cfg_), a.cache.max_slices);
-    // Pairs that reuse their TopK entry start on it without waiting for
-    // the selection (decode_attention_arguments::reuse_entries).
-    d.reuse_entries = !cfg_.refresh.every_step() && a.cache.topk.entries != nullptr &&
-                      a.cache.topk.slices >= cfg_.top_k_fine;
-    d.refresh = cfg_.refresh;
-    d.fingerprint = select::detail::selection_fingerprint(cfg_);
     return d;
   }
 

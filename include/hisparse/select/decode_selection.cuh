@@ -39,7 +39,6 @@
 #include "hisparse/core/kernel_build.hpp"
 #include "hisparse/core/status.hpp"
 #include "hisparse/kv/paged_kv_ref.hpp"
-#include "hisparse/kv/topk_entry.cuh"
 #include "hisparse/policy/selection_policy.hpp"
 #include "hisparse/select/ranking.cuh"
 #include "hisparse/select/row_scoring.cuh"
@@ -141,32 +140,34 @@ inline std::int32_t selection_fingerprint(const SparseAttentionConfig& c) {
 
 /// The TopK verdict (config.hpp, refresh_rule) for the query at p0 and the
 /// entry of its (sequence, KV head): true to reuse the entry. `q` is this
-/// thread's dimension of the group-summed query (kv::group_query_sum);
-/// `red` 3 * kSelectWarps floats of shared memory. Every CTA of a cluster,
-/// and the attention (kv::warp_reuse_topk_entry), gets the same verdict:
-/// the same words, summed in the same order (kv/topk_entry.cuh).
+/// thread's dimension of the group-summed query (0 past head_dim); `red`
+/// 3 * kSelectWarps floats of shared memory. Every CTA of a cluster gets
+/// the same verdict: the same words, summed in the same order.
 template <int D>
 __device__ bool reuse_topk_entry(const std::int32_t* entry, std::int32_t p0, const refresh_rule& rule,
                                  std::int32_t fingerprint, int top_k_fine, int query_offset, float q, float* red) {
-  using word = kv::topk_entry_word;
-  if (!kv::topk_entry_current(entry[word::made], entry[word::count], entry[word::fingerprint], p0, rule, fingerprint,
-                              top_k_fine))
+  const std::int32_t made = entry[0];
+  if (made < 0 || p0 < made || p0 - made >= rule.every || entry[2] != fingerprint || entry[1] > top_k_fine)
     return false;
   if (rule.min_cosine <= -1.0f) return true;
   const int t = static_cast<int>(threadIdx.x);
-  constexpr int kWarps = D / 32;
-  static_assert(D % 32 == 0 && D <= kSelectThreads, "whole warps of dimensions, one a thread");
-  if (t / 32 < kWarps) {  // warp-uniform
-    const kv::cosine_terms c = kv::warp_cosine_terms(q, __int_as_float(entry[query_offset + t]));
-    if (t % 32 == 0) {
-      red[t / 32] = c.dot;
-      red[kWarps + t / 32] = c.qq;
-      red[2 * kWarps + t / 32] = c.ee;
-    }
-  }
+  const float e = t < D ? __int_as_float(entry[query_offset + t]) : 0.0f;
+  float v[3] = {q * e, q * q, e * e};
+#pragma unroll
+  for (float& x : v)
+    for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+  constexpr int kWarps = (D + 31) / 32;
+  if (t % 32 == 0 && t / 32 < kWarps)
+    for (int i = 0; i < 3; ++i) red[i * kWarps + t / 32] = v[i];
   __syncthreads();
-  return kv::cosine_passes([&](int w) { return kv::cosine_terms{red[w], red[kWarps + w], red[2 * kWarps + w]}; },
-                           kWarps, rule.min_cosine);
+  float dot = 0, a = 0, b = 0;
+  for (int w = 0; w < kWarps; ++w) {
+    dot += red[w];
+    a += red[kWarps + w];
+    b += red[2 * kWarps + w];
+  }
+  // NaN (a zero or non-finite query) compares false: refresh.
+  return dot / (sqrtf(a) * sqrtf(b)) >= rule.min_cosine;
 }
 
 /// A reused TopK entry as the selection's output, on the writer CTA: the
@@ -174,7 +175,7 @@ __device__ bool reuse_topk_entry(const std::int32_t* entry, std::int32_t p0, con
 /// step), no kept blocks.
 template <class Q>
 __device__ void write_reused_selection(const decode_params<Q>& p, std::int64_t at, const std::int32_t* entry) {
-  const int n = entry[kv::topk_entry_word::count];
+  const int n = entry[1];
   const std::int32_t* kept = entry + kv::topk_cache_ref::kept_offset();
   const float inf = __int_as_float(0x7f800000);
   for (int i = static_cast<int>(threadIdx.x); i < p.top_k_fine; i += kSelectThreads) {
@@ -249,8 +250,8 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   float my_q = 0.0f;  // this thread's dimension of the sum (the TopK test reads it)
   if (t < D) {
     const int group = in.num_q_heads / in.kv_heads;
-    my_q = kv::group_query_sum(in.queries + (std::int64_t{b} * in.num_q_heads + std::int64_t{h} * group) * D + t,
-                               group, D);
+    const Q* q = in.queries + (std::int64_t{b} * in.num_q_heads + std::int64_t{h} * group) * D + t;
+    for (int g = 0; g < group; ++g) my_q += to_float(q[std::int64_t{g} * D]);
     qsum[t] = my_q;
   }
   const std::int64_t seq_layer = in.seq_layer(seq, in.layer);
@@ -340,16 +341,13 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   }
   cluster::sync();
   // Every CTA has read the TopK entry (before this barrier): the writer
-  // may overwrite it with this selection, under the entry's sequence lock
-  // (kv/topk_entry.cuh: the attention may be reading it).
-  std::int32_t entry_generation = 0;
+  // may overwrite it with this selection.
   if (writer && (p.cached || p.out.refreshed)) {
     if (p.cached) {
-      entry_generation = kv::begin_topk_entry_write(entry);
       if (t < D) reinterpret_cast<float*>(entry + in.topk.query_offset())[t] = my_q;
       if (t == 0) {
-        entry[kv::topk_entry_word::made] = length - 1;
-        entry[kv::topk_entry_word::fingerprint] = p.fingerprint;
+        entry[0] = length - 1;
+        entry[2] = p.fingerprint;
       }
     }
     if (t == 0 && p.out.refreshed) p.out.refreshed[at] = 1;
@@ -450,15 +448,12 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
         warp_rank_place(keys, n, top_k_fine, emit_slice);
         if (t == 0) {
           p.out.num_slices[at] = top_k_fine;
-          if (entry) entry[kv::topk_entry_word::count] = top_k_fine;
+          if (entry) entry[1] = top_k_fine;
         }
       }
     }
     __syncthreads();
-    if (fine_survivors <= kWarpRankSurvivors) {
-      if (entry) kv::end_topk_entry_write(entry, entry_generation);
-      return;
-    }
+    if (fine_survivors <= kWarpRankSurvivors) return;
   }
   if (by_groups) {  // uniform across the CTA
     top_k_of_groups(fine_scores, candidates, top_k_fine, fine_group_max, fine_groups, keys, temp.filter,
@@ -474,9 +469,8 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   }
   if (t == 0) {
     p.out.num_slices[at] = kept_slices;
-    if (entry) entry[kv::topk_entry_word::count] = kept_slices;
+    if (entry) entry[1] = kept_slices;
   }
-  if (entry) kv::end_topk_entry_write(entry, entry_generation);
 }
 
 /// Whether the narrow kernel can run a stage of up to `candidates`
