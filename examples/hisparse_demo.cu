@@ -39,14 +39,15 @@
 // --stream STEPS (CPU): a TopK cache study. Request 0 decodes STEPS steps
 // whose queries drift slowly (the workload's drift_steps, --drift N, 16);
 // per step and KV head a refresh rule either selects afresh or reuses its
-// cached selection (reference::reused_selection). Per rule: the share of
-// (step, KV head) pairs that reused, and the mass recall against selecting
-// afresh every step. --retain N,... adds retention at those far-block
-// budgets (runtime/retention.hpp): after each step the policy observes what
-// the step kept and drops far blocks down to N; a step selects over the
-// resident blocks only (reference::decode with the evicted blocks). Per
-// budget: the far blocks resident at the end, and the mass recall against
-// selecting afresh over every block.
+// cached selection (reference::reused_selection); a rule "a step late"
+// attends the entry as it stood before the step's verdict. Per rule: the
+// share of (step, KV head) pairs that attended a cached selection, and the
+// mass recall against selecting afresh every step. --retain N,... adds
+// retention at those far-block budgets (runtime/retention.hpp): after each
+// step the policy observes what the step kept and drops far blocks down to
+// N; a step selects over the resident blocks only (reference::decode with
+// the evicted blocks). Per budget: the far blocks resident at the end, and
+// the mass recall against selecting afresh over every block.
 //
 //   hisparse_demo [--contexts 32768,262144] [--batch 8] [--seed N] [--preset standard] [--cpu]
 //                 [--ceiling] [--misses] [--coarse mean|key_bounds] [--needle-span N]
@@ -578,6 +579,10 @@ struct study_rule {
   const char* name;
   hisparse::refresh_rule rule;
   bool on_coarse_change = false;
+  // A step late: a step attends its entry as it stood before the step's own
+  // verdict (the selection running beside the attention, for the next
+  // step); only an empty entry waits for its selection.
+  bool late = false;
 };
 
 void run_stream(const options& opt, const hisparse::SparseAttentionConfig& cfg,
@@ -591,7 +596,9 @@ void run_stream(const options& opt, const hisparse::SparseAttentionConfig& cfg,
                                       {"cosine < 0.99", {kNever, 0.99f}},
                                       {"cosine < 0.95", {kNever, 0.95f}},
                                       {"cosine < 0.90", {kNever, 0.90f}},
-                                      {"coarse blocks changed", {kNever}, true}};
+                                      {"coarse blocks changed", {kNever}, true},
+                                      {"every step, a step late", {1}, false, true},
+                                      {"cosine < 0.90, a step late", {kNever, 0.90f}, false, true}};
   const int hq = shape.num_q_heads, hkv = shape.num_kv_heads, dim = shape.head_dim, group = shape.group_size();
   std::printf("TopK cache study (CPU, fp64): request 0, %d decode steps, queries drifting over %d steps\n\n",
               opt.stream, opt.drift);
@@ -645,14 +652,15 @@ void run_stream(const options& opt, const hisparse::SparseAttentionConfig& cfg,
           bool refresh = reference::refresh_due(rule.rule, c, qsum, p);
           if (!refresh && rule.on_coarse_change)
             refresh = fresh.blocks[static_cast<std::size_t>(h)].kept != c.tile.blocks[static_cast<std::size_t>(h)].kept;
+          const bool late = rule.late && c.position >= 0;
+          if (late) recall[k] += recall_of(reference::reused_selection(c.tile, p, cfg));
           if (refresh) {
             c.tile = fresh;
             c.qsum = qsum;
             c.position = p;
-          } else {
-            ++reuses[k];
           }
-          recall[k] += recall_of(reference::reused_selection(c.tile, p, cfg));
+          if (!refresh || late) ++reuses[k];
+          if (!late) recall[k] += recall_of(reference::reused_selection(c.tile, p, cfg));
         }
         for (std::size_t k = 0; k < retained.size(); ++k) retained_recall[k] += recall_of(kept_retained[k]);
       }
@@ -671,16 +679,16 @@ void run_stream(const options& opt, const hisparse::SparseAttentionConfig& cfg,
     const double pairs = static_cast<double>(opt.stream) * hkv;
     std::printf("context %lld: selecting afresh every step, mean recall %.4f\n", static_cast<long long>(ctx),
                 fresh_recall / pairs);
-    std::printf("  %-24s %8s %12s %14s\n", "refresh rule", "reused", "mean recall", "against fresh");
+    std::printf("  %-28s %8s %12s %14s\n", "refresh rule", "reused", "mean recall", "against fresh");
     for (std::size_t k = 0; k < rules.size(); ++k)
-      std::printf("  %-24s %8.3f %12.4f %14.4f\n", rules[k].name, static_cast<double>(reuses[k]) / pairs,
+      std::printf("  %-28s %8.3f %12.4f %14.4f\n", rules[k].name, static_cast<double>(reuses[k]) / pairs,
                   recall[k] / pairs, recall[k] / fresh_recall);
     if (!retained.empty()) {
       const std::int32_t far = evictable_blocks(cfg, ctx);
-      std::printf("  %-24s %8s %12s %14s\n", "retention (far blocks)", "resident", "mean recall", "against fresh");
+      std::printf("  %-28s %8s %12s %14s\n", "retention (far blocks)", "resident", "mean recall", "against fresh");
       for (std::size_t k = 0; k < retained.size(); ++k) {
         const std::string name = "keep " + std::to_string(opt.retain[k]) + " of " + std::to_string(far);
-        std::printf("  %-24s %8lld %12.4f %14.4f\n", name.c_str(),
+        std::printf("  %-28s %8lld %12.4f %14.4f\n", name.c_str(),
                     static_cast<long long>(far - static_cast<std::int64_t>(evicted[k].size())),
                     retained_recall[k] / pairs, retained_recall[k] / fresh_recall);
       }
