@@ -280,7 +280,7 @@ TEST_CASE("decode with a TopK cache: every step is decode, reuse follows the ref
   };
   SparseAttentionConfig c = small_config();
   {
-    std::vector<reference::topk_cache_entry> cache(2);
+    std::vector<reference::topk_cache_slot> cache(2);
     for (int i = 0; i < kSteps; ++i) {
       const auto got = reference::decode_cached(c, shape, step_view(i), cache);
       const auto want = reference::decode(c, shape, step_view(i));
@@ -289,39 +289,52 @@ TEST_CASE("decode with a TopK cache: every step is decode, reuse follows the ref
       CHECK(got.r.lse == want.lse);
     }
   }
-  c.refresh.every = 4;
-  std::vector<reference::topk_cache_entry> cache(2);
-  std::vector<reference::tile_selection> made;
-  for (int i = 0; i < kSteps; ++i) {
-    const auto got = reference::decode_cached(c, shape, step_view(i), cache);
-    CHECK(got.refreshed == std::vector<bool>(2, i % 4 == 0));
-    if (i % 4 == 0) made.push_back(got.r.tiles[0]);
-    const auto& from = made.back();
-    for (int h = 0; h < 2; ++h) {
-      CHECK(got.window_begin[static_cast<std::size_t>(h)] == reference::window_begin(kFirst + i, c));
-      const auto pos =
-          reference::attended_positions(reference::reused_selection(from, kFirst + i, c), h, kFirst + i, c);
-      CHECK(got.r.attended[static_cast<std::size_t>(h)] == static_cast<std::int64_t>(pos.size()));
-      for (int g = 0; g < 2; ++g) {
-        std::vector<double> out;
-        double lse = 0;
-        test::brute_attend(s, i, h * 2 + g, pos, out, lse);
-        for (int d = 0; d < 64; ++d) REQUIRE(got.r.out(0, h * 2 + g, d) == Approx(out[static_cast<std::size_t>(d)]).margin(1e-12));
-        REQUIRE(got.r.lse_of(0, h * 2 + g) == Approx(lse).margin(1e-12));
+  // Every 4 positions, on time and a step late: a late step attends the
+  // selection the step before left (step 0 has none: on time), and every
+  // step, a step late, attends the previous step's.
+  struct rule_case {
+    refresh_rule rule;
+    int period;
+  };
+  for (const auto& [rule, period] : {rule_case{{4}, 4}, rule_case{{4, -1.0f, true}, 4}, rule_case{{1, -1.0f, true}, 1}}) {
+    INFO("every " << rule.every << (rule.late ? ", a step late" : ""));
+    c.refresh = rule;
+    std::vector<reference::topk_cache_slot> cache(2);
+    std::vector<reference::tile_selection> made;
+    for (int i = 0; i < kSteps; ++i) {
+      const auto got = reference::decode_cached(c, shape, step_view(i), cache);
+      CHECK(got.refreshed == std::vector<bool>(2, i % period == 0));
+      CHECK(got.late == std::vector<bool>(2, rule.late && i > 0));
+      const bool late = rule.late && i > 0;
+      if (i % period == 0 && !late) made.push_back(got.r.tiles[0]);
+      const auto from = made.back();
+      if (i % period == 0 && late) made.push_back(got.r.tiles[0]);
+      for (int h = 0; h < 2; ++h) {
+        CHECK(got.window_begin[static_cast<std::size_t>(h)] == reference::window_begin(kFirst + i, c));
+        const auto pos =
+            reference::attended_positions(reference::reused_selection(from, kFirst + i, c), h, kFirst + i, c);
+        CHECK(got.r.attended[static_cast<std::size_t>(h)] == static_cast<std::int64_t>(pos.size()));
+        for (int g = 0; g < 2; ++g) {
+          std::vector<double> out;
+          double lse = 0;
+          test::brute_attend(s, i, h * 2 + g, pos, out, lse);
+          for (int d = 0; d < 64; ++d) REQUIRE(got.r.out(0, h * 2 + g, d) == Approx(out[static_cast<std::size_t>(d)]).margin(1e-12));
+          REQUIRE(got.r.lse_of(0, h * 2 + g) == Approx(lse).margin(1e-12));
+        }
       }
     }
   }
   // The cosine test: independent queries refresh every step; the same
   // query never does.
   c.refresh = {1000, 0.99f};
-  std::vector<reference::topk_cache_entry> drift(2), still(2);
+  std::vector<reference::topk_cache_slot> drift(2), still(2);
   for (int i = 0; i < kSteps; ++i)
     CHECK(reference::decode_cached(c, shape, step_view(i), drift).refreshed == std::vector<bool>{true, true});
   for (int i = 1; i < kSteps; ++i)
     std::copy(s.queries.begin(), s.queries.begin() + 4 * 64, s.queries.begin() + i * 4 * 64);
   for (int i = 0; i < kSteps; ++i)
     CHECK(reference::decode_cached(c, shape, step_view(i), still).refreshed == std::vector<bool>(2, i == 0));
-  std::vector<reference::topk_cache_entry> wrong(3);
+  std::vector<reference::topk_cache_slot> wrong(3);
   CHECK_THROWS_WITH(reference::decode_cached(c, shape, step_view(0), wrong), Catch::Contains("per KV head"));
 }
 

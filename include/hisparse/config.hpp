@@ -173,11 +173,22 @@ enum class coarse_summary : std::uint8_t { mean = 0, key_bounds = 1 };
 /// since the selection wait for the next one). The default (every step) is
 /// DESIGN.md section 1's contract. On the GPU any other rule needs a cache
 /// that keeps TopK entries (kv::paged_kv_cache_options::topk_cache_slices).
+///
+/// `late`: a step attends its entry as it stands (its own window added)
+/// and its verdict, with the selection it may make, serves the next step,
+/// so the step does not wait for its selection. The entry is the one the
+/// last late step left (or an on-time step wrote); a step whose entry is
+/// empty, another config's or made after its query attends on time.
 struct refresh_rule {
   int every = 1;
   float min_cosine = -1.0f;  ///< -1: no cosine test
+  bool late = false;
 
+  /// Whether every verdict selects afresh (a late rule still attends the
+  /// entry the step before left).
   [[nodiscard]] constexpr bool every_step() const noexcept { return every == 1; }
+  /// Whether steps read and write TopK entries.
+  [[nodiscard]] constexpr bool keeps_entries() const noexcept { return every != 1 || late; }
   friend constexpr bool operator==(const refresh_rule&, const refresh_rule&) = default;
 };
 
@@ -269,7 +280,8 @@ inline std::string field_values(const SparseAttentionConfig& c) {
          " fine_summary=" + std::string(name_of(c.fine_summary)) +
          " coarse_summary=" + std::string(name_of(c.coarse_summary)) +
          " refresh.every=" + std::to_string(c.refresh.every) +
-         " refresh.min_cosine=" + std::to_string(c.refresh.min_cosine);
+         " refresh.min_cosine=" + std::to_string(c.refresh.min_cosine) +
+         " refresh.late=" + (c.refresh.late ? "true" : "false");
 }
 inline std::string field_values(const attention_shape& s) {
   return "num_q_heads=" + std::to_string(s.num_q_heads) +

@@ -498,23 +498,39 @@ struct topk_cache_entry {
   return !(dot / std::sqrt(a * b) >= rule.min_cosine);
 }
 
+/// One KV head's TopK entries as the GPU keeps them (kv::topk_cache_ref):
+/// the current one, and the one a late rule's refreshing step writes for
+/// the next step (and makes current after it).
+struct topk_cache_slot {
+  topk_cache_entry entries[2];
+  int current = 0;
+
+  [[nodiscard]] topk_cache_entry& entry() { return entries[current]; }
+  [[nodiscard]] const topk_cache_entry& entry() const { return entries[current]; }
+};
+
 /// What decode_cached did for one step.
 struct cached_step {
   result r;  ///< output, LSE and tokens attended over the selections used (r.tiles[0]: the fresh one)
   std::vector<std::int64_t> window_begin;  ///< [Hkv]: the window start each head attended from
   std::vector<bool> refreshed;             ///< [Hkv]: selected afresh (else reused)
+  std::vector<bool> late;                  ///< [Hkv]: attended the entry as it stood (a late rule)
 };
 
-/// A decode step with a TopK cache (`cache`: one entry per KV head of this
-/// sequence): per KV head, where
-/// c.refresh says so, the fresh selection (decode's) is attended and
-/// stored; elsewhere the entry's (reused_selection). With the default rule
-/// every head refreshes and the result is decode's.
+/// A decode step with a TopK cache (`cache`: one slot per KV head of this
+/// sequence): per KV head, where c.refresh says so, the fresh selection
+/// (decode's) is stored, elsewhere the entry is kept. On time, the step
+/// attends the fresh selection where it refreshes and the entry's
+/// (reused_selection) elsewhere. A late rule attends the entry as it stood
+/// where it was made at or before the query (reused_selection), the fresh
+/// selection otherwise (an empty or later entry always refreshes), and the
+/// fresh one is stored beside it and made current after the step. With the
+/// default rule every head refreshes and the result is decode's.
 template <class T>
 [[nodiscard]] cached_step decode_cached(const SparseAttentionConfig& c, const attention_shape& s,
-                                        const sequence<T>& seq, std::vector<topk_cache_entry>& cache) {
+                                        const sequence<T>& seq, std::vector<topk_cache_slot>& cache) {
   if (static_cast<int>(cache.size()) != s.num_kv_heads)
-    throw error(status::invalid_argument, "decode_cached: one cache entry per KV head");
+    throw error(status::invalid_argument, "decode_cached: one cache slot per KV head");
   cached_step out;
   out.r = decode(c, s, seq);
   const tile_selection& fresh = out.r.tiles[0];
@@ -524,15 +540,22 @@ template <class T>
     std::vector<double> qsum(static_cast<std::size_t>(dim), 0.0);
     for (int g = 0; g < group; ++g)
       for (int d = 0; d < dim; ++d) qsum[static_cast<std::size_t>(d)] += to_double(seq.queries(0, h * group + g, d));
-    auto& entry = cache[static_cast<std::size_t>(h)];
+    auto& slot = cache[static_cast<std::size_t>(h)];
+    const topk_cache_entry& entry = slot.entry();
     const bool refresh = refresh_due(c.refresh, entry, qsum, p);
+    const bool late = c.refresh.late && entry.position >= 0 && entry.position <= p;
     out.refreshed.push_back(refresh);
+    out.late.push_back(late);
+    const tile_selection used = late || !refresh ? reused_selection(entry.tile, p, c) : fresh;
     if (refresh) {
-      entry = {fresh, std::move(qsum), p};
+      // A late rule writes the other entry, made current after the step.
+      slot.entries[c.refresh.late ? slot.current ^ 1 : slot.current] = {fresh, std::move(qsum), p};
+      if (c.refresh.late) slot.current ^= 1;
+    }
+    if (!late && refresh) {
       out.window_begin.push_back(fresh.window_begin);
       continue;
     }
-    const tile_selection used = reused_selection(entry.tile, p, c);
     out.window_begin.push_back(used.window_begin);
     const auto positions = attended_positions(used, h, p, c);
     out.r.attended[static_cast<std::size_t>(h)] = static_cast<std::int64_t>(positions.size());
