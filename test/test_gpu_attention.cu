@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -174,6 +175,8 @@ struct device_selection {
   const std::int32_t* num = nullptr;
   int top_k_fine = 0;
   int window = 0;
+  bool late_topk = false;  ///< attend the cache's valid TopK entries (a late rule)
+  std::int32_t fingerprint = 0;
 };
 
 /// Runs the attention kernel alone -- dense (every slice), or sparse over
@@ -201,6 +204,8 @@ step_output run_attention(const test::problem<T>& p, Cache& cache, const std::ve
     a.num_slices = sel->num;
     a.top_k_fine = sel->top_k_fine;
     a.window = sel->window;
+    a.late_topk = sel->late_topk;
+    a.topk_fingerprint = sel->fingerprint;
   }
   a.max_items = max_items > 0 ? max_items : cache.ref().max_slices;
   a.out = out.ptr;
@@ -777,7 +782,8 @@ step_output run_unclustered_step(const test::problem<T>& p, Cache& cache, const 
   o.refreshed = refreshed.ptr;
   REQUIRE(select::select_decode_async(p.cfg, a, o) == status::success);
   HISPARSE_CUDA_CHECK(cudaDeviceSynchronize());
-  const device_selection sel{kept.ptr, num.ptr, kf, p.cfg.window};
+  const device_selection sel{kept.ptr, num.ptr, kf, p.cfg.window, p.cfg.refresh.late,
+                             select::detail::selection_fingerprint(p.cfg)};
   auto g = run_attention(p, cache, slots, 0, std::min(attention::sparse_max_items(p.cfg), cache.ref().max_slices),
                          &sel);
   g.kept = kept.download();
@@ -909,10 +915,141 @@ TEST_CASE("TopK cache: a drifting decode stream reuses and refreshes as the refe
   const auto ref = cache.ref();
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < Hkv; ++h) {
-      const auto entry = ref.topk_entry(ref.seq_layer(slots[b], 0), h) - ref.topk.entries;
+      std::int32_t* control = ref.topk_entry(ref.seq_layer(slots[b], 0), h);
+      const auto at = [&](const std::int32_t* w) { return static_cast<std::size_t>(w - ref.topk.entries); };
+      const auto entry = at(ref.topk.entry(control, after[at(control)] & 1));
       if (b == 1) CHECK(after[entry] == -1);
       else CHECK(after[entry] == p.lengths[b] - 1);
     }
+}
+
+TEST_CASE("TopK cache, a step late: each step attends the entry the step before left", "[gpu][attention][topk_cache]") {
+  HISPARSE_REQUIRE_GPU();
+  const std::uint64_t seed = test::fresh_seed();
+  INFO("seed " << seed);
+  mr::device_pool_resource device;
+  const attention_shape shape{32, 8, 128};
+  const int B = 3, Hkv = 8, G = 4, D = 128, steps = 10, held = 2;
+  // The cosine rule a step late, and every step a step late (the step
+  // attends the selection of the step before).
+  for (const refresh_rule rule : {refresh_rule{4, 0.9f, true}, refresh_rule{1, -1.0f, true}}) {
+    INFO("every " << rule.every << ", min_cosine " << rule.min_cosine << ", a step late");
+    SparseAttentionConfig cfg;
+    cfg.refresh = rule;
+    auto p = test::make_problem<__nv_bfloat16>(shape, cfg, {5000, 33 * 1024 + 17, 100003}, seed);
+    const int kf = cfg.top_k_fine;
+    auto opt = test::cache_options(p, 100003 + steps);
+    opt.topk_cache_slices = kf;
+    kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, opt);
+    const auto slots = test::fill(p, cache);
+    const double drift[B] = {0.05, 0.3, 0.15};
+    workload::splitmix64 rng(seed + 7);
+    std::vector<double> q(p.queries.size());
+    for (std::size_t i = 0; i < q.size(); ++i) q[i] = to_double(p.queries[i]);
+    // The host's mirror of every (sequence, KV head)'s two entries
+    // (reference::topk_cache_slot) and their kept lists as the GPU made them.
+    std::vector<reference::topk_cache_slot> slot(static_cast<std::size_t>(B) * Hkv);
+    std::vector<std::array<std::vector<std::int32_t>, 2>> slot_kept(slot.size());
+    int late = 0, on_time = 0, refreshed = 0, stale_attended = 0;
+    // `steps` steps that append a token each, then `held` more at the same
+    // positions (a repeated step attends what the one before it left).
+    for (int step = 0; step < steps + held; ++step) {
+      INFO("step " << step);
+      if (step < steps) {
+        std::vector<__nv_bfloat16> k(static_cast<std::size_t>(B) * Hkv * D), v(k.size());
+        for (auto& x : k) x = from_float<__nv_bfloat16>(static_cast<float>(rng.normal()));
+        for (auto& x : v) x = from_float<__nv_bfloat16>(static_cast<float>(rng.normal()));
+        for (int b = 0; b < B; ++b) {
+          p.keys[b].insert(p.keys[b].end(), k.begin() + b * Hkv * D, k.begin() + (b + 1) * Hkv * D);
+          p.values[b].insert(p.values[b].end(), v.begin() + b * Hkv * D, v.begin() + (b + 1) * Hkv * D);
+          ++p.lengths[b];
+        }
+        dev<__nv_bfloat16> dk(k), dv(v);
+        REQUIRE(cache.append_decode_async(0, slots, dk.ptr, dv.ptr, nullptr) == status::success);
+      }
+      for (int b = 0; b < B; ++b)
+        for (int i = 0; i < shape.num_q_heads * D; ++i) {
+          const std::size_t at = static_cast<std::size_t>(b) * shape.num_q_heads * D + i;
+          if (step > 0) q[at] += drift[b] * rng.normal();
+          p.queries[at] = from_float<__nv_bfloat16>(static_cast<float>(q[at]));
+        }
+      const auto g = step % 2 == 0 ? run_step(p, cache, slots) : run_unclustered_step(p, cache, slots);
+      // What each (sequence, KV head) attended: its current entry where that
+      // was made at or before the query, else the fresh selection.
+      step_output attended = g;
+      for (int b = 0; b < B; ++b) {
+        const std::int64_t pos = p.lengths[b] - 1;
+        const auto fresh = reference::decode(p.cfg, p.shape, p.sequence(b));
+        REQUIRE(g.window[b] == fresh.tiles[0].window_begin);
+        for (int h = 0; h < Hkv; ++h) {
+          INFO("sequence " << b << ", KV head " << h);
+          const auto at = static_cast<std::size_t>(b * Hkv + h);
+          auto& m = slot[at];
+          std::vector<double> qsum(D, 0.0);
+          for (int gq = 0; gq < G; ++gq)
+            for (int d = 0; d < D; ++d)
+              qsum[d] += to_double(p.queries[(static_cast<std::size_t>(b) * shape.num_q_heads + h * G + gq) * D + d]);
+          const auto& e = m.entry();
+          bool due = reference::refresh_due(rule, e, qsum, pos);
+          const bool gpu = g.refreshed[at] == 1;
+          REQUIRE((g.refreshed[at] == 0 || g.refreshed[at] == 1));
+          if (due != gpu) {  // fp32 against fp64: only at the threshold
+            double dot = 0, aa = 0, bb = 0;
+            for (int d = 0; d < D; ++d) dot += qsum[d] * e.qsum[d], aa += qsum[d] * qsum[d], bb += e.qsum[d] * e.qsum[d];
+            REQUIRE(std::abs(dot / std::sqrt(aa * bb) - rule.min_cosine) < 1e-5);
+            due = gpu;
+          }
+          std::vector<std::int32_t> kept(g.kept.begin() + at * kf, g.kept.begin() + at * kf + g.num[at]);
+          const bool from_entry = e.position >= 0 && e.position <= pos;
+          if (from_entry) {
+            ++late;
+            const auto& used = slot_kept[at][m.current];
+            std::copy(used.begin(), used.end(), attended.kept.begin() + at * kf);
+            std::fill(attended.kept.begin() + at * kf + used.size(), attended.kept.begin() + (at + 1) * kf, -1);
+            attended.num[at] = static_cast<std::int32_t>(used.size());
+            if (due && used != kept) ++stale_attended;
+          } else {
+            ++on_time;
+            REQUIRE(due);  // an empty entry always refreshes
+          }
+          if (due) {
+            ++refreshed;
+            if (kept != fresh.tiles[0].slices[h].kept)
+              CHECK((near_tie(fresh.tiles[0].blocks[h]) || near_tie(fresh.tiles[0].slices[h])));
+            m.entries[m.current ^ 1] = {{}, qsum, pos};
+            slot_kept[at][m.current ^ 1] = kept;
+            m.current ^= 1;
+          } else {
+            REQUIRE(kept == slot_kept[at][m.current]);
+          }
+        }
+      }
+      check_against_fp64(p, attended, /*dense=*/false);
+    }
+    INFO("late " << late << ", on time " << on_time << ", refreshed " << refreshed << ", attended a selection "
+                 << "older than the step's own " << stale_attended);
+    CHECK(on_time == B * Hkv);  // the first step only
+    CHECK(late == (steps + held - 1) * B * Hkv);
+    CHECK(stale_attended > 0);
+    if (rule.every == 1) CHECK(refreshed == (steps + held) * B * Hkv);
+
+    // The GPU's current entries are the mirror's, nothing left pending.
+    std::vector<std::int32_t> words(kv::footprint_of(opt, sizeof(__nv_bfloat16)).topk_cache_bytes / 4);
+    HISPARSE_CUDA_CHECK(cudaMemcpy(words.data(), cache.ref().topk.entries, words.size() * 4, cudaMemcpyDeviceToHost));
+    const auto ref = cache.ref();
+    for (int b = 0; b < B; ++b)
+      for (int h = 0; h < Hkv; ++h) {
+        const auto at = static_cast<std::size_t>(b * Hkv + h);
+        std::int32_t* control = ref.topk_entry(ref.seq_layer(slots[b], 0), h);
+        const auto word = [&](const std::int32_t* w) { return words[static_cast<std::size_t>(w - ref.topk.entries)]; };
+        CHECK(word(control + 1) == 0);
+        const std::int32_t* e = ref.topk.entry(control, word(control) & 1);
+        CHECK(word(e) == slot[at].entry().position);
+        REQUIRE(word(e + 1) == static_cast<std::int32_t>(slot_kept[at][slot[at].current].size()));
+        for (int i = 0; i < word(e + 1); ++i)
+          CHECK(word(e + kv::topk_cache_ref::kept_offset() + i) == slot_kept[at][slot[at].current][i]);
+      }
+  }
 }
 
 TEST_CASE("decode step replays from a CUDA graph with new queries and tokens", "[gpu][attention]") {

@@ -145,7 +145,9 @@ TEST_CASE("a TopK cache adds one entry per (sequence, layer, KV head) to the met
   // An entry: 4 header words, 16 slice ids, 128 fp32 query words.
   CHECK(kv::topk_cache_ref::words(16, 128) == 148);
   CHECK(kv::topk_cache_ref::words(13, 128) == 148);  // slice ids padded to 4 words
-  CHECK(with.topk_cache_bytes == std::size_t{8} * 28 * 8 * 148 * 4);
+  // Per (sequence, layer, KV head): 4 control words and two entries.
+  CHECK(kv::topk_cache_ref::stride_words(16, 128) == 4 + 2 * 148);
+  CHECK(with.topk_cache_bytes == std::size_t{8} * 28 * 8 * (4 + 2 * 148) * 4);
   CHECK(with.metadata_bytes() == without.metadata_bytes() + with.topk_cache_bytes);
   CHECK(with.page_bytes == without.page_bytes);
 }

@@ -84,6 +84,14 @@ struct decode_attention_arguments {
   float softmax_scale = 0.0f;  ///< 0: 1 / sqrt(head_dim)
   T* out = nullptr;            ///< [batch][num_q_heads][head_dim]
   float* lse = nullptr;        ///< optional [batch][num_q_heads], natural log
+  /// A late TopK rule (config.hpp, refresh_rule::late; sparse): each
+  /// (sequence, KV head) attends the cache's current TopK entry where it is
+  /// valid (made with this fingerprint, at or before the query, at most
+  /// top_k_fine slices) without waiting for kept_slices, and the last of
+  /// its CTAs, once the selection has finished, makes current the entry the
+  /// selection marked pending (select::decode_selection_kernel).
+  bool late_topk = false;
+  std::int32_t topk_fingerprint = 0;
 
   [[nodiscard]] HISPARSE_HOST_DEVICE bool sparse() const { return top_k_fine > 0; }
 };
@@ -195,6 +203,7 @@ struct decode_attention_params {
   float* partial_out;      ///< [batch][num_q_heads][splits][head_dim]
   float* partial_lse;      ///< [batch][num_q_heads][splits], log2 domain
   unsigned* counters;      ///< [batch][kv_heads * head_splits], zero between runs
+  unsigned* readers;       ///< late_topk: [batch][kv_heads], zero between runs
 };
 
 // ---- PTX wrappers (sm_80+: cp.async, ldmatrix, mma.sync; sm_90: griddepcontrol)
@@ -563,6 +572,7 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
   auto& merge_w = scratch.w;
   __shared__ float merge_lse[kHeads];
   __shared__ bool last_cta;
+  __shared__ bool last_reader;
 
   // The splits of a (sequence, KV head) are one cluster (see the merge).
   const bool clustered = p.merge_offset > 0;
@@ -614,7 +624,11 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
   const std::int32_t* kept = a.sparse() ? a.kept_slices + at * a.top_k_fine : nullptr;
   // What the selection decides, known once waited for (dense: now).
   int items = window_items, ck = 0, tiles = wt;
-  bool known = !a.sparse();
+  bool known = !a.sparse(), waited = false;
+  // A late TopK rule: the control words of this (sequence, KV head)'s
+  // entries, and which is current (the selection writes the other).
+  std::int32_t* const topk_control = a.late_topk && a.sparse() ? c.topk_entry(seq_layer, h) : nullptr;
+  const int topk_current = topk_control != nullptr ? topk_control[0] & 1 : 0;
 
   if (len <= 0) {  // nothing stored: a zero output, lse -inf
     if (a.sparse()) wait_for_prior_grid();  // every CTA of a programmatic launch waits before it ends
@@ -647,8 +661,22 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
   // top_k_fine entries, -1 past the kept count), so the chain to the first
   // kept K/V is wait -> list -> page table. Uniform across the CTA.
   auto learn_selection = [&]() {
-    wait_for_prior_grid();
-    const int n_kept = a.num_slices[at];
+    int n_kept = 0;
+    bool from_entry = false;
+    if (topk_control != nullptr) {  // a valid current entry: its slices, no wait
+      const std::int32_t* e = c.topk.entry(topk_control, topk_current);
+      const std::int32_t made = e[0], n = e[1];
+      from_entry = made >= 0 && made < len && e[2] == a.topk_fingerprint && n >= 0 && n <= a.top_k_fine;
+      if (from_entry) {
+        kept = e + kv::topk_cache_ref::kept_offset();
+        n_kept = n;
+      }
+    }
+    if (!from_entry) {
+      wait_for_prior_grid();
+      waited = true;
+      n_kept = a.num_slices[at];
+    }
     constexpr int kPagesPerThread = (kPageRing + kThreads - 1) / kThreads;
     std::int32_t first_kept[kPagesPerThread];
 #pragma unroll
@@ -760,6 +788,28 @@ __global__ void __launch_bounds__(Warps * 32, register_ctas_per_sm(D, Warps))
   l += __shfl_xor_sync(0xFFFFFFFFu, l, 1);
   l += __shfl_xor_sync(0xFFFFFFFFu, l, 2);
   cp_async_wait<0>();
+  // A late TopK rule: every CTA of this (sequence, KV head) has read the
+  // current entry; the last one, once the selection has finished (it reads
+  // the current entry too), makes the pending one current and leaves the
+  // counter zero for the next run.
+  if (topk_control != nullptr) {  // uniform
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      last_reader = atomicAdd(p.readers + at, 1u) + 1 == gridDim.x * static_cast<unsigned>(p.head_splits);
+    }
+    __syncthreads();
+    if (last_reader) {
+      if (!waited) wait_for_prior_grid();
+      if (threadIdx.x == 0) {
+        if (__ldcg(topk_control + 1) == 1) {
+          topk_control[1] = 0;
+          topk_control[0] = topk_current ^ 1;
+        }
+        p.readers[at] = 0;
+      }
+    }
+  }
   // More slices than the plan's max_items (or a kept count the selection
   // cannot have written): NaN output and LSE, never a silent drop.
   if (items > a.max_items || items < window_items || items > window_items + a.top_k_fine) {
@@ -858,6 +908,8 @@ template <class T, class KV>
     return bad("max_items " + std::to_string(a.max_items) + " must be in [1, the cache's max_slices " +
                std::to_string(c.max_slices) + "]");
   if (!(a.softmax_scale >= 0.0f) || std::isinf(a.softmax_scale)) return bad("softmax_scale must be finite and >= 0");
+  if (a.late_topk && (!a.sparse() || c.topk.entries == nullptr || c.topk.slices < a.top_k_fine))
+    return bad("late_topk needs a sparse run over a cache whose TopK entries hold top_k_fine slices");
   return status::success;
 }
 
@@ -933,8 +985,9 @@ template <tile_policy Tile = kDecodeTile, class T, class KV>
   auto align = [](std::size_t x) { return (x + 255) / 256 * 256; };
   const std::size_t rows = static_cast<std::size_t>(a.batch) * a.num_q_heads;
   plan.counter_offset = 0;
-  plan.counter_bytes =
-      align(static_cast<std::size_t>(plan.counter_batch) * a.cache.kv_heads * plan.head_splits * sizeof(unsigned));
+  // The merge's counters, then a late TopK rule's reader counters.
+  plan.counter_bytes = align(static_cast<std::size_t>(plan.counter_batch) * a.cache.kv_heads * (plan.head_splits + 1) *
+                             sizeof(unsigned));
   plan.partial_offset = plan.counter_bytes;
   plan.lse_offset = plan.partial_offset;
   plan.workspace_bytes = plan.counter_bytes;
@@ -1027,6 +1080,7 @@ template <class T, tile_policy Tile = kDecodeTile, class KV>
   p.partial_out = plan.splits > 1 ? reinterpret_cast<float*>(ws + plan.partial_offset) : nullptr;
   p.partial_lse = plan.splits > 1 ? reinterpret_cast<float*>(ws + plan.lse_offset) : nullptr;
   p.counters = reinterpret_cast<unsigned*>(ws + plan.counter_offset);
+  p.readers = p.counters + static_cast<std::size_t>(plan.counter_batch) * a.cache.kv_heads * plan.head_splits;
   return dispatch_head_dim(a.cache.head_dim, [&](auto d) {
     return detail::launch_decode_attention<T, KV, d(), Tile>(p, plan.smem_bytes, overlap_previous, stream);
   });

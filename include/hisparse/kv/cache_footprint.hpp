@@ -48,8 +48,8 @@ struct paged_kv_cache_options {
   hisparse::coarse_summary coarse_summary = hisparse::coarse_summary::mean;
   /// Kept slices a TopK cache entry holds (config.hpp, refresh_rule): at
   /// least the top_k_fine of a config that reuses selections; 0 keeps no
-  /// entries. One entry per (sequence, layer, KV head), ~0.6 KB at 16 slices
-  /// and head_dim 128.
+  /// entries. Two entries per (sequence, layer, KV head) (the current one
+  /// and a late rule's next), ~1.2 KB at 16 slices and head_dim 128.
   int topk_cache_slices = 0;
   /// Pinned host memory complete pages may move to (paged_kv_cache::
   /// offload_async); 0: no host tier.
@@ -141,7 +141,7 @@ struct cache_footprint {
   f.block_bounds_bytes = o.coarse_summary == coarse_summary::key_bounds ? seq_layers * blocks * vec * 4 : 0;
   f.length_bytes = seq_layers * sizeof(std::int32_t);
   f.topk_cache_bytes = o.topk_cache_slices > 0 ? seq_layers * static_cast<std::size_t>(o.num_kv_heads) *
-                                                     topk_cache_ref::words(o.topk_cache_slices, o.head_dim) *
+                                                     topk_cache_ref::stride_words(o.topk_cache_slices, o.head_dim) *
                                                      sizeof(std::int32_t)
                                                : 0;
   f.counter_bytes = static_cast<std::size_t>(o.max_sequences) * blocks * static_cast<std::size_t>(o.num_kv_heads) *

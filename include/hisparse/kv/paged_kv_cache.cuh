@@ -952,7 +952,7 @@ class paged_kv_cache {
     if (topk_entries_ != nullptr) {
       r.topk.entries = topk_entries_;
       r.topk.slices = opt_.topk_cache_slices;
-      r.topk.stride = topk_cache_ref::words(opt_.topk_cache_slices, opt_.head_dim);
+      r.topk.stride = topk_cache_ref::stride_words(opt_.topk_cache_slices, opt_.head_dim);
     }
     return r;
   }

@@ -95,26 +95,39 @@ struct summary_layout {
   }
 };
 
-/// A cache's TopK entries (config.hpp, refresh_rule): one per (sequence,
-/// layer, KV head), apart from the pages, read and written by the decode
-/// selection only. An entry is int32 words: [0] the position of the query
-/// that selected (-1: empty), [1] its kept count, [2] the selecting
-/// config's fingerprint (decode_selection.cuh), [3] unused, then `slices`
-/// kept slice ids (ascending; padded to 4 words), then head_dim fp32 words:
-/// the selecting query's group sum.
+/// A cache's TopK entries (config.hpp, refresh_rule): per (sequence, layer,
+/// KV head), apart from the pages, two control words and two entries (the
+/// one steps read, the other a late rule's next). Control: [0] which entry
+/// is current (bit 0), [1] 1 where a late selection wrote the other for
+/// the next step (the step's attention makes it current once every reader
+/// is done), then two unused words. An entry is int32 words: [0] the
+/// position of the query that selected (-1: empty), [1] its kept count,
+/// [2] the selecting config's fingerprint (decode_selection.cuh), [3]
+/// unused, then `slices` kept slice ids (ascending; padded to 4 words),
+/// then head_dim fp32 words: the selecting query's group sum. Read and
+/// written by the decode selection, and by the attention of a late rule.
 struct topk_cache_ref {
   static constexpr int kHeader = 4;
+  static constexpr int kControl = 4;
   std::int32_t* entries = nullptr;  ///< [sequences][layers][kv_heads][stride]; null: the cache keeps none
   int slices = 0;                   ///< kept slices an entry holds at most
-  int stride = 0;                   ///< int32 words per entry
+  int stride = 0;                   ///< int32 words per (sequence, layer, KV head): control and two entries
 
-  /// Words per entry for `slices` kept slices and head_dim `dim`.
+  /// Words of one entry for `slices` kept slices and head_dim `dim`.
   [[nodiscard]] HISPARSE_HOST_DEVICE static constexpr int words(int slices, int dim) {
     return kHeader + (slices + 3) / 4 * 4 + dim;
+  }
+  /// Words per (sequence, layer, KV head).
+  [[nodiscard]] HISPARSE_HOST_DEVICE static constexpr int stride_words(int slices, int dim) {
+    return kControl + 2 * words(slices, dim);
   }
   /// Offset (words) of the kept list and of the group sum in an entry.
   [[nodiscard]] HISPARSE_HOST_DEVICE static constexpr int kept_offset() { return kHeader; }
   [[nodiscard]] HISPARSE_HOST_DEVICE constexpr int query_offset() const { return kHeader + (slices + 3) / 4 * 4; }
+  /// Entry `which` (0 or 1) of the control words at `control`.
+  [[nodiscard]] HISPARSE_HOST_DEVICE std::int32_t* entry(std::int32_t* control, int which) const {
+    return control + kControl + which * ((stride - kControl) / 2);
+  }
 };
 
 /// What a selection reads of a cache: the summaries, the lengths and their
@@ -151,7 +164,8 @@ struct summary_ref : summary_layout {
     return lengths[seq_layer(seq, layer)];
   }
   topk_cache_ref topk{};
-  /// The TopK entry of (sequence, layer) row `seq_layer`, KV head h.
+  /// The TopK control words of (sequence, layer) row `seq_layer`, KV head h
+  /// (topk_cache_ref::entry finds its entries).
   [[nodiscard]] HISPARSE_HOST_DEVICE std::int32_t* topk_entry(std::int64_t seq_layer, int h) const {
     return topk.entries + (seq_layer * kv_heads + h) * topk.stride;
   }

@@ -184,7 +184,8 @@ class hierarchical_decode {
 
   /// Both launches, nothing else: capturable. On sm_90 the attention is a
   /// programmatic dependent of the selection: its CTAs start while the
-  /// selection drains and wait for it only before reading the kept slices.
+  /// selection drains and wait for it only before reading the kept slices
+  /// (under a late TopK rule, only where the entry is not valid).
   [[nodiscard]] status run(cudaStream_t stream = nullptr) const {
     HISPARSE_TRY(launch_selection(stream, selection_carveout_, attention_launch_));
     return launch_attention(stream, /*overlap_previous=*/true);
@@ -272,8 +273,10 @@ class hierarchical_decode {
     // ranks the slices, once the fine candidates are scored where a whole
     // CTA does; with the selection where it takes several waves (its last
     // wave would hold them back).
+    // A late TopK rule's attention mostly does not wait for the selection:
+    // at once.
     const bool warp_ranks = select::decode_selection_launch_profile(cfg_, a.cache.max_blocks).fine_ranked_by_one_warp;
-    l.attention_launch = !beside     ? dependents_launch::at_start
+    l.attention_launch = !beside || cfg_.refresh.late ? dependents_launch::at_start
                          : warp_ranks ? dependents_launch::after_blocks
                                       : dependents_launch::after_fine_scores;
     const std::size_t rows = static_cast<std::size_t>(a.batch) * a.cache.kv_heads;
@@ -329,6 +332,8 @@ class hierarchical_decode {
     d.top_k_fine = cfg_.top_k_fine;
     d.window = cfg_.window;
     d.max_items = std::min(attention::sparse_max_items(cfg_), a.cache.max_slices);
+    d.late_topk = cfg_.refresh.late;
+    d.topk_fingerprint = select::detail::selection_fingerprint(cfg_);
     return d;
   }
 

@@ -52,7 +52,9 @@ namespace hisparse::select {
 /// padded with -1; the score arrays (optional) hold each kept item's score.
 /// A (sequence, KV head) that reuses its TopK entry (config.hpp,
 /// refresh_rule) gets the entry's slices, NaN slice scores, and no kept
-/// blocks (-1, scores -inf): its blocks were not ranked this step.
+/// blocks (-1, scores -inf): its blocks were not ranked this step. Under a
+/// late rule they are what serves the next step, not what this step's
+/// attention attends (its entry as it stood).
 struct decode_selection_output {
   std::int32_t* kept_slices = nullptr;    ///< [batch][kv_heads][top_k_fine]
   std::int32_t* num_slices = nullptr;     ///< [batch][kv_heads]
@@ -122,7 +124,7 @@ struct decode_params {
   int window, top_k_coarse, top_k_fine;
   selection_smem smem;
   refresh_rule refresh;
-  bool cached;              ///< !refresh.every_step(): the TopK entries are read and written
+  bool cached;              ///< refresh.keeps_entries(): the TopK entries are read and written
   std::int32_t fingerprint;  ///< of the config (selection_fingerprint): an entry another config made is not reused
 };
 
@@ -147,7 +149,8 @@ template <int D>
 __device__ bool reuse_topk_entry(const std::int32_t* entry, std::int32_t p0, const refresh_rule& rule,
                                  std::int32_t fingerprint, int top_k_fine, int query_offset, float q, float* red) {
   const std::int32_t made = entry[0];
-  if (made < 0 || p0 < made || p0 - made >= rule.every || entry[2] != fingerprint || entry[1] > top_k_fine)
+  if (rule.every <= 1 || made < 0 || p0 < made || p0 - made >= rule.every || entry[2] != fingerprint ||
+      entry[1] > top_k_fine)
     return false;
   if (rule.min_cosine <= -1.0f) return true;
   const int t = static_cast<int>(threadIdx.x);
@@ -268,16 +271,27 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
 
   // A TopK entry the rule lets this query reuse: the writer copies it out
   // and the cluster leaves before any load for the ranking is issued. Every
-  // CTA reads the entry here, before the first cluster barrier; the writer
-  // overwrites it only after the second.
+  // CTA reads the current entry here, before the first cluster barrier; an
+  // on-time rule's writer overwrites it only after the second, a late
+  // rule's writes the other entry (its step's attention reads the current
+  // one meanwhile) and marks it pending (control word 1: the attention
+  // makes it current). Either clears a pending mark it does not set.
   const std::int64_t at = std::int64_t{b} * in.kv_heads + h;
   const bool writer = rank == 0;
-  std::int32_t* entry = p.cached ? in.topk_entry(seq_layer, h) : nullptr;
+  std::int32_t* control = p.cached ? in.topk_entry(seq_layer, h) : nullptr;
+  std::int32_t* entry = nullptr;  // the current entry
+  std::int32_t* written = nullptr;  // where a fresh selection goes
   if (p.cached) {  // uniform
+    const int current = control[0] & 1;
+    entry = in.topk.entry(control, current);
+    written = p.refresh.late ? in.topk.entry(control, current ^ 1) : entry;
     __shared__ float reuse_red[3 * kSelectWarps];
     if (reuse_topk_entry<D>(entry, length - 1, p.refresh, p.fingerprint, top_k_fine, in.topk.query_offset(), my_q,
                             reuse_red)) {
-      if (writer) write_reused_selection(p, at, entry);
+      if (writer) {
+        write_reused_selection(p, at, entry);
+        if (threadIdx.x == 0) control[1] = 0;
+      }
       cluster::wait();  // the arrive above; nobody touches another CTA's shared memory
       return;
     }
@@ -344,15 +358,16 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   // may overwrite it with this selection.
   if (writer && (p.cached || p.out.refreshed)) {
     if (p.cached) {
-      if (t < D) reinterpret_cast<float*>(entry + in.topk.query_offset())[t] = my_q;
+      if (t < D) reinterpret_cast<float*>(written + in.topk.query_offset())[t] = my_q;
       if (t == 0) {
-        entry[0] = length - 1;
-        entry[2] = p.fingerprint;
+        written[0] = length - 1;
+        written[2] = p.fingerprint;
+        control[1] = p.refresh.late ? 1 : 0;
       }
     }
     if (t == 0 && p.out.refreshed) p.out.refreshed[at] = 1;
   }
-  std::int32_t* entry_kept = p.cached ? entry + kv::topk_cache_ref::kept_offset() : nullptr;
+  std::int32_t* entry_kept = p.cached ? written + kv::topk_cache_ref::kept_offset() : nullptr;
 
   int kept = 0;
   float* out_block_scores = writer && p.out.block_scores ? p.out.block_scores + at * top_k_coarse : nullptr;
@@ -448,7 +463,7 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
         warp_rank_place(keys, n, top_k_fine, emit_slice);
         if (t == 0) {
           p.out.num_slices[at] = top_k_fine;
-          if (entry) entry[1] = top_k_fine;
+          if (written) written[1] = top_k_fine;
         }
       }
     }
@@ -469,7 +484,7 @@ __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_
   }
   if (t == 0) {
     p.out.num_slices[at] = kept_slices;
-    if (entry) entry[1] = kept_slices;
+    if (written) written[1] = kept_slices;
   }
 }
 
@@ -652,9 +667,10 @@ template <class Q>
     return bad("the config's coarse_summary is key_bounds and the cache keeps no block key bounds with slice key "
                "bounds beside them (build it with paged_kv_cache_options::coarse_summary and fine_summary "
                "key_bounds)");
-  if (!cfg.refresh.every_step() && (a.topk.entries == nullptr || a.topk.slices < cfg.top_k_fine))
+  if (cfg.refresh.keeps_entries() && (a.topk.entries == nullptr || a.topk.slices < cfg.top_k_fine))
     return bad("the config's refresh rule (every " + std::to_string(cfg.refresh.every) + ", min_cosine " +
-               std::to_string(cfg.refresh.min_cosine) + ") reuses TopK entries and the cache keeps " +
+               std::to_string(cfg.refresh.min_cosine) +
+               (cfg.refresh.late ? ", late" : "") + ") reuses TopK entries and the cache keeps " +
                (a.topk.entries == nullptr ? std::string("none")
                                           : "entries of " + std::to_string(a.topk.slices) + " slices") +
                "; build it with paged_kv_cache_options::topk_cache_slices >= top_k_fine (" +
@@ -700,7 +716,7 @@ template <class Shape, class Q>
                                    cfg.top_k_fine,
                                    smem,
                                    cfg.refresh,
-                                   !cfg.refresh.every_step(),
+                                   cfg.refresh.keeps_entries(),
                                    detail::selection_fingerprint(cfg)};
   return dispatch_head_dim(a.head_dim, [&](auto d) {
     return detail::launch_selection<Q, d(), Shape>(p, wide, cfg.fine_summary,
