@@ -344,7 +344,8 @@ void decode_step(benchmark::State& state, const SparseAttentionConfig& cfg, int 
 /// cache-reuse), the config without a cache (fresh_step_us), a rule that
 /// refreshes every step through the cache (min_cosine 1: refresh_step_us,
 /// the cache's cost on a refreshing step), and one that always reuses
-/// (reuse_step_us).
+/// (reuse_step_us); then the three a step late (late_*: the step attends
+/// the entry as it stood, its selection serves the next step).
 constexpr int kStreamSteps = 64;
 
 /// The stream's queries, [kStreamSteps][q_elems] (see decode_stream).
@@ -443,6 +444,11 @@ void decode_stream(benchmark::State& state, const SparseAttentionConfig& base, i
   const double mixed_s = time_rule(rule, refreshed, &overlap);
   const double refresh_s = time_rule({kMaxWindow, 1.0f}, all, nullptr);
   const double reuse_s = time_rule({kMaxWindow, -1.0f}, none, nullptr);
+  // The same three a step late (refresh_rule::late).
+  double late_refreshed = 0, late_all = 0, late_none = 0;
+  const double late_s = time_rule({kMaxWindow, 0.9f, true}, late_refreshed, nullptr);
+  const double late_refresh_s = time_rule({kMaxWindow, 1.0f, true}, late_all, nullptr);
+  const double late_reuse_s = time_rule({kMaxWindow, -1.0f, true}, late_none, nullptr);
   const replay_graph fresh_graph(stream, launches, [&](cudaStream_t s, int i) { throw_if_error(fresh[i]->run(s)); });
   std::vector<double> t_fresh;
   for (auto _ : state) {
@@ -460,6 +466,11 @@ void decode_stream(benchmark::State& state, const SparseAttentionConfig& base, i
   state.counters["refreshed_share_min_cos_1"] = all;
   state.counters["refreshed_share_reuse_all"] = none;
   state.counters["kept_overlap_reused"] = overlap;
+  state.counters["late_step_us"] = late_s * 1e6;
+  state.counters["late_refresh_step_us"] = late_refresh_s * 1e6;
+  state.counters["late_reuse_step_us"] = late_reuse_s * 1e6;
+  state.counters["late_refreshed_share"] = late_refreshed;
+  state.counters["late_speedup_vs_fresh"] = fresh_s / late_s;
   state.counters["copies"] = copies;
   HISPARSE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
