@@ -792,6 +792,94 @@ step_output run_unclustered_step(const test::problem<T>& p, Cache& cache, const 
   g.refreshed = refreshed.download();
   return g;
 }
+/// The TopK cache tests' stream: three sequences of 5000, 33 809 and
+/// 100 003 tokens (32 / 8 heads, d 128) in a cache that keeps TopK entries
+/// of top_k_fine slices with room for `steps` more tokens, whose queries
+/// drift by their own step: slowly (0.05: a period refreshes), fast (0.3:
+/// the cosine test does), between (0.15: both).
+struct drifting_stream {
+  static constexpr int B = 3;
+  static constexpr double drift[B] = {0.05, 0.3, 0.15};
+  test::problem<__nv_bfloat16> p;
+  kv::paged_kv_cache_options opt;
+  kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache;
+  std::vector<int> slots;
+  workload::splitmix64 rng;
+  std::vector<double> q;  ///< the queries in fp64, before rounding
+
+  drifting_stream(mr::device_pool_resource& device, const SparseAttentionConfig& cfg, int steps, std::uint64_t seed)
+      : p(test::make_problem<__nv_bfloat16>({32, 8, 128}, cfg, {5000, 33 * 1024 + 17, 100003}, seed)),
+        opt(options(p, steps)),
+        cache(device, opt),
+        slots(test::fill(p, cache)),
+        rng(seed + 7),
+        q(p.queries.size()) {
+    for (std::size_t i = 0; i < q.size(); ++i) q[i] = to_double(p.queries[i]);
+  }
+
+  /// Step `step`'s input: one random token appended to every sequence (on
+  /// the host and in the cache) where `append`, then each sequence's
+  /// queries moved by its drift * N(0, 1) a coordinate (not at step 0).
+  void next(int step, bool append = true) {
+    const int row = p.shape.num_kv_heads * p.shape.head_dim;
+    if (append) {
+      std::vector<__nv_bfloat16> k(static_cast<std::size_t>(B) * row), v(k.size());
+      for (auto& x : k) x = from_float<__nv_bfloat16>(static_cast<float>(rng.normal()));
+      for (auto& x : v) x = from_float<__nv_bfloat16>(static_cast<float>(rng.normal()));
+      for (int b = 0; b < B; ++b) {
+        p.keys[b].insert(p.keys[b].end(), k.begin() + b * row, k.begin() + (b + 1) * row);
+        p.values[b].insert(p.values[b].end(), v.begin() + b * row, v.begin() + (b + 1) * row);
+        ++p.lengths[b];
+      }
+      dev<__nv_bfloat16> dk(k), dv(v);
+      REQUIRE(cache.append_decode_async(0, slots, dk.ptr, dv.ptr, nullptr) == status::success);
+    }
+    const std::size_t per_sequence = static_cast<std::size_t>(p.shape.num_q_heads) * p.shape.head_dim;
+    for (int b = 0; b < B; ++b)
+      for (std::size_t i = 0; i < per_sequence; ++i) {
+        const std::size_t at = b * per_sequence + i;
+        if (step > 0) q[at] += drift[b] * rng.normal();
+        p.queries[at] = from_float<__nv_bfloat16>(static_cast<float>(q[at]));
+      }
+  }
+
+ private:
+  static kv::paged_kv_cache_options options(const test::problem<__nv_bfloat16>& p, int steps) {
+    auto o = test::cache_options(p, 100003 + steps);
+    o.topk_cache_slices = p.cfg.top_k_fine;
+    return o;
+  }
+};
+
+/// The group-summed query of sequence b's KV head h (G query heads a KV
+/// head), in fp64: what a TopK entry keeps beside its selection.
+std::vector<double> group_query_sum(const test::problem<__nv_bfloat16>& p, int b, int h, int G) {
+  const int D = p.shape.head_dim;
+  std::vector<double> qsum(static_cast<std::size_t>(D), 0.0);
+  for (int gq = 0; gq < G; ++gq)
+    for (int d = 0; d < D; ++d)
+      qsum[d] += to_double(p.queries[(static_cast<std::size_t>(b) * p.shape.num_q_heads + h * G + gq) * D + d]);
+  return qsum;
+}
+
+/// The GPU's refresh verdict (`refreshed`: 0 or 1) checked against the
+/// reference's rule on entry `e`: fp32 against fp64, only a cosine within
+/// rounding of the threshold may decide differently (counted in
+/// `at_threshold`). Returns the GPU's verdict.
+bool checked_verdict(const refresh_rule& rule, const reference::topk_cache_entry& e, const std::vector<double>& qsum,
+                     std::int64_t pos, std::int32_t refreshed, int& at_threshold) {
+  REQUIRE((refreshed == 0 || refreshed == 1));
+  const bool gpu = refreshed == 1;
+  if (reference::refresh_due(rule, e, qsum, pos) == gpu) return gpu;
+  REQUIRE(e.position >= 0);
+  REQUIRE(pos - e.position < rule.every);
+  double dot = 0, aa = 0, bb = 0;
+  for (std::size_t d = 0; d < qsum.size(); ++d)
+    dot += qsum[d] * e.qsum[d], aa += qsum[d] * qsum[d], bb += e.qsum[d] * e.qsum[d];
+  REQUIRE(std::abs(dot / std::sqrt(aa * bb) - rule.min_cosine) < 1e-5);
+  ++at_threshold;
+  return gpu;
+}
 }  // namespace
 
 TEST_CASE("TopK cache: a drifting decode stream reuses and refreshes as the reference's rule says",
@@ -802,19 +890,12 @@ TEST_CASE("TopK cache: a drifting decode stream reuses and refreshes as the refe
   mr::device_pool_resource device;
   SparseAttentionConfig cfg;
   cfg.refresh = {4, 0.9f};
-  const attention_shape shape{32, 8, 128};
-  auto p = test::make_problem<__nv_bfloat16>(shape, cfg, {5000, 33 * 1024 + 17, 100003}, seed);
-  const int B = 3, Hkv = 8, G = 4, D = 128, kf = cfg.top_k_fine, steps = 12;
-  auto opt = test::cache_options(p, 100003 + steps);
-  opt.topk_cache_slices = kf;
-  kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, opt);
-  const auto slots = test::fill(p, cache);
-  // Each sequence's queries drift by its own step: slowly (the period
-  // refreshes), fast (the cosine test does), between (both).
-  const double drift[B] = {0.05, 0.3, 0.15};
-  workload::splitmix64 rng(seed + 7);
-  std::vector<double> q(p.queries.size());
-  for (std::size_t i = 0; i < q.size(); ++i) q[i] = to_double(p.queries[i]);
+  const int B = drifting_stream::B, Hkv = 8, G = 4, kf = cfg.top_k_fine, steps = 12;
+  drifting_stream stream(device, cfg, steps, seed);
+  auto& p = stream.p;
+  auto& cache = stream.cache;
+  const auto& slots = stream.slots;
+  const auto& opt = stream.opt;
   // The host's entries: what the GPU kept when it last refreshed, and the
   // query and position the rule compares against.
   std::vector<reference::topk_cache_entry> entries(static_cast<std::size_t>(B) * Hkv);
@@ -822,21 +903,7 @@ TEST_CASE("TopK cache: a drifting decode stream reuses and refreshes as the refe
   int reused = 0, refreshed = 0, at_threshold = 0;
   for (int step = 0; step < steps; ++step) {
     INFO("step " << step);
-    std::vector<__nv_bfloat16> k(static_cast<std::size_t>(B) * Hkv * D), v(k.size());
-    for (auto& x : k) x = from_float<__nv_bfloat16>(static_cast<float>(rng.normal()));
-    for (auto& x : v) x = from_float<__nv_bfloat16>(static_cast<float>(rng.normal()));
-    for (int b = 0; b < B; ++b) {
-      p.keys[b].insert(p.keys[b].end(), k.begin() + b * Hkv * D, k.begin() + (b + 1) * Hkv * D);
-      p.values[b].insert(p.values[b].end(), v.begin() + b * Hkv * D, v.begin() + (b + 1) * Hkv * D);
-      ++p.lengths[b];
-      for (int i = 0; i < shape.num_q_heads * D; ++i) {
-        const std::size_t at = static_cast<std::size_t>(b) * shape.num_q_heads * D + i;
-        if (step > 0) q[at] += drift[b] * rng.normal();
-        p.queries[at] = from_float<__nv_bfloat16>(static_cast<float>(q[at]));
-      }
-    }
-    dev<__nv_bfloat16> dk(k), dv(v);
-    REQUIRE(cache.append_decode_async(0, slots, dk.ptr, dv.ptr, nullptr) == status::success);
+    stream.next(step);
     const auto g = step % 2 == 0 ? run_step(p, cache, slots) : run_unclustered_step(p, cache, slots);
     check_against_fp64(p, g, /*dense=*/false);
     for (int b = 0; b < B; ++b) {
@@ -847,24 +914,8 @@ TEST_CASE("TopK cache: a drifting decode stream reuses and refreshes as the refe
         INFO("sequence " << b << ", KV head " << h);
         const auto at = static_cast<std::size_t>(b * Hkv + h);
         auto& e = entries[at];
-        std::vector<double> qsum(D, 0.0);
-        for (int gq = 0; gq < G; ++gq)
-          for (int d = 0; d < D; ++d)
-            qsum[d] += to_double(p.queries[(static_cast<std::size_t>(b) * shape.num_q_heads + h * G + gq) * D + d]);
-        bool due = reference::refresh_due(cfg.refresh, e, qsum, pos);
-        const bool gpu = g.refreshed[at] == 1;
-        REQUIRE((g.refreshed[at] == 0 || g.refreshed[at] == 1));
-        if (due != gpu) {
-          // fp32 against fp64: only a cosine within rounding of the
-          // threshold may decide differently.
-          REQUIRE(e.position >= 0);
-          REQUIRE(pos - e.position < cfg.refresh.every);
-          double dot = 0, aa = 0, bb = 0;
-          for (int d = 0; d < D; ++d) dot += qsum[d] * e.qsum[d], aa += qsum[d] * qsum[d], bb += e.qsum[d] * e.qsum[d];
-          REQUIRE(std::abs(dot / std::sqrt(aa * bb) - cfg.refresh.min_cosine) < 1e-5);
-          ++at_threshold;
-          due = gpu;
-        }
+        std::vector<double> qsum = group_query_sum(p, b, h, G);
+        const bool due = checked_verdict(cfg.refresh, e, qsum, pos, g.refreshed[at], at_threshold);
         std::vector<std::int32_t> kept(g.kept.begin() + at * kf, g.kept.begin() + at * kf + g.num[at]);
         for (int i = g.num[at]; i < kf; ++i) REQUIRE(g.kept[at * kf + i] == -1);
         if (due) {
@@ -928,51 +979,29 @@ TEST_CASE("TopK cache, a step late: each step attends the entry the step before 
   const std::uint64_t seed = test::fresh_seed();
   INFO("seed " << seed);
   mr::device_pool_resource device;
-  const attention_shape shape{32, 8, 128};
-  const int B = 3, Hkv = 8, G = 4, D = 128, steps = 10, held = 2;
+  const int B = drifting_stream::B, Hkv = 8, G = 4, steps = 10, held = 2;
   // The cosine rule a step late, and every step a step late (the step
   // attends the selection of the step before).
   for (const refresh_rule rule : {refresh_rule{4, 0.9f, true}, refresh_rule{1, -1.0f, true}}) {
     INFO("every " << rule.every << ", min_cosine " << rule.min_cosine << ", a step late");
     SparseAttentionConfig cfg;
     cfg.refresh = rule;
-    auto p = test::make_problem<__nv_bfloat16>(shape, cfg, {5000, 33 * 1024 + 17, 100003}, seed);
     const int kf = cfg.top_k_fine;
-    auto opt = test::cache_options(p, 100003 + steps);
-    opt.topk_cache_slices = kf;
-    kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource> cache(device, opt);
-    const auto slots = test::fill(p, cache);
-    const double drift[B] = {0.05, 0.3, 0.15};
-    workload::splitmix64 rng(seed + 7);
-    std::vector<double> q(p.queries.size());
-    for (std::size_t i = 0; i < q.size(); ++i) q[i] = to_double(p.queries[i]);
+    drifting_stream stream(device, cfg, steps, seed);
+    auto& p = stream.p;
+    auto& cache = stream.cache;
+    const auto& slots = stream.slots;
+    const auto& opt = stream.opt;
     // The host's mirror of every (sequence, KV head)'s two entries
     // (reference::topk_cache_slot) and their kept lists as the GPU made them.
     std::vector<reference::topk_cache_slot> slot(static_cast<std::size_t>(B) * Hkv);
     std::vector<std::array<std::vector<std::int32_t>, 2>> slot_kept(slot.size());
-    int late = 0, on_time = 0, refreshed = 0, stale_attended = 0;
+    int late = 0, on_time = 0, refreshed = 0, stale_attended = 0, at_threshold = 0;
     // `steps` steps that append a token each, then `held` more at the same
     // positions (a repeated step attends what the one before it left).
     for (int step = 0; step < steps + held; ++step) {
       INFO("step " << step);
-      if (step < steps) {
-        std::vector<__nv_bfloat16> k(static_cast<std::size_t>(B) * Hkv * D), v(k.size());
-        for (auto& x : k) x = from_float<__nv_bfloat16>(static_cast<float>(rng.normal()));
-        for (auto& x : v) x = from_float<__nv_bfloat16>(static_cast<float>(rng.normal()));
-        for (int b = 0; b < B; ++b) {
-          p.keys[b].insert(p.keys[b].end(), k.begin() + b * Hkv * D, k.begin() + (b + 1) * Hkv * D);
-          p.values[b].insert(p.values[b].end(), v.begin() + b * Hkv * D, v.begin() + (b + 1) * Hkv * D);
-          ++p.lengths[b];
-        }
-        dev<__nv_bfloat16> dk(k), dv(v);
-        REQUIRE(cache.append_decode_async(0, slots, dk.ptr, dv.ptr, nullptr) == status::success);
-      }
-      for (int b = 0; b < B; ++b)
-        for (int i = 0; i < shape.num_q_heads * D; ++i) {
-          const std::size_t at = static_cast<std::size_t>(b) * shape.num_q_heads * D + i;
-          if (step > 0) q[at] += drift[b] * rng.normal();
-          p.queries[at] = from_float<__nv_bfloat16>(static_cast<float>(q[at]));
-        }
+      stream.next(step, /*append=*/step < steps);
       const auto g = step % 2 == 0 ? run_step(p, cache, slots) : run_unclustered_step(p, cache, slots);
       // What each (sequence, KV head) attended: its current entry where that
       // was made at or before the query, else the fresh selection.
@@ -985,20 +1014,9 @@ TEST_CASE("TopK cache, a step late: each step attends the entry the step before 
           INFO("sequence " << b << ", KV head " << h);
           const auto at = static_cast<std::size_t>(b * Hkv + h);
           auto& m = slot[at];
-          std::vector<double> qsum(D, 0.0);
-          for (int gq = 0; gq < G; ++gq)
-            for (int d = 0; d < D; ++d)
-              qsum[d] += to_double(p.queries[(static_cast<std::size_t>(b) * shape.num_q_heads + h * G + gq) * D + d]);
+          std::vector<double> qsum = group_query_sum(p, b, h, G);
           const auto& e = m.entry();
-          bool due = reference::refresh_due(rule, e, qsum, pos);
-          const bool gpu = g.refreshed[at] == 1;
-          REQUIRE((g.refreshed[at] == 0 || g.refreshed[at] == 1));
-          if (due != gpu) {  // fp32 against fp64: only at the threshold
-            double dot = 0, aa = 0, bb = 0;
-            for (int d = 0; d < D; ++d) dot += qsum[d] * e.qsum[d], aa += qsum[d] * qsum[d], bb += e.qsum[d] * e.qsum[d];
-            REQUIRE(std::abs(dot / std::sqrt(aa * bb) - rule.min_cosine) < 1e-5);
-            due = gpu;
-          }
+          const bool due = checked_verdict(rule, e, qsum, pos, g.refreshed[at], at_threshold);
           std::vector<std::int32_t> kept(g.kept.begin() + at * kf, g.kept.begin() + at * kf + g.num[at]);
           const bool from_entry = e.position >= 0 && e.position <= pos;
           if (from_entry) {
@@ -1027,7 +1045,8 @@ TEST_CASE("TopK cache, a step late: each step attends the entry the step before 
       check_against_fp64(p, attended, /*dense=*/false);
     }
     INFO("late " << late << ", on time " << on_time << ", refreshed " << refreshed << ", attended a selection "
-                 << "older than the step's own " << stale_attended);
+                 << "older than the step's own " << stale_attended << ", decided at the threshold " << at_threshold);
+    CHECK(at_threshold <= 2);
     CHECK(on_time == B * Hkv);  // the first step only
     CHECK(late == (steps + held - 1) * B * Hkv);
     CHECK(stale_attended > 0);
