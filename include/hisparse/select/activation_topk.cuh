@@ -360,7 +360,9 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
 #pragma unroll
         for (int j = 0; j < kGateVec; ++j)
           if (in_bits >> j & 1u) {
-            if (slot < kGateCandidates) sm.candidates[slot] = positive ? ordered_bits(sc[j]) : x[j];
+            // A candidate of a positive bracket is a positive number: its
+            // ordered word is its bits with the top bit set.
+            if (slot < kGateCandidates) sm.candidates[slot] = positive ? __float_as_uint(sc[j]) | 0x80000000u : x[j];
             ++slot;
           }
       }
@@ -413,11 +415,19 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
       float sc[kGateVec];
       src.scores(raw, first, sc);
       unsigned above_bits = 0, tie_bits = 0;
+      if (!t_nan) {  // uniform
 #pragma unroll
-      for (int j = 0; j < kGateVec; ++j) {
-        const unsigned number = ptx::eq_ieee(sc[j], sc[j]);
-        above_bits |= (t_nan ? number : ptx::gt_ieee(sc[j], tf)) << j;
-        tie_bits |= (t_nan ? number ^ 1u : ptx::eq_ieee(sc[j], tf)) << j;
+        for (int j = 0; j < kGateVec; ++j) {
+          above_bits |= ptx::gt_ieee(sc[j], tf) << j;
+          tie_bits |= ptx::eq_ieee(sc[j], tf) << j;
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kGateVec; ++j) {
+          const unsigned number = ptx::eq_ieee(sc[j], sc[j]);
+          above_bits |= number << j;
+          tie_bits |= (number ^ 1u) << j;
+        }
       }
       const unsigned valid = src.valid_mask(first);
       above_bits &= valid;
@@ -445,20 +455,26 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
       const int step_end = above_before + (step & 0xFFFF) + min(ties_before + (step >> 16), need);
       std::uint32_t* stage_idx = sm.candidates + buffer * kGateStage;
       auto* stage_val = reinterpret_cast<unsigned short*>(stage_idx + kGateTile);
-      int ab = above_before + (before & 0xFFFF);
-      int tb = ties_before + (before >> 16);
-      for (unsigned m = above_bits | tie_bits; m != 0; m &= m - 1) {
-        const int j = __ffs(m) - 1;
-        const bool is_tie = (tie_bits >> j) & 1u;
-        if (!is_tie || tb < need) {
-          const int o = ab + min(tb, need) - step_base;
-          stage_idx[o] = static_cast<std::uint32_t>(first + j);
-          const unsigned w = (j & 4) ? ((j & 2) ? raw.w : raw.z) : ((j & 2) ? raw.y : raw.x);
-          stage_val[o] = static_cast<unsigned short>((j & 1) ? (w >> 16) : (w & 0xFFFFu));
-        }
-        ab += is_tie ? 0 : 1;
-        tb += is_tie ? 1 : 0;
+      // The thread keeps its ties while fewer than `need` come before them,
+      // then stores each kept column at the next slot: the slot of a column
+      // is the columns above t before it plus min(ties before it, need).
+      const int tb = ties_before + (before >> 16);
+      const int tie_room = need - tb;
+      if (tie_room < __popc(tie_bits)) {  // rare: the last ties kept lie in this thread
+        unsigned kept_ties = 0;
+        for (int r = tie_room; r > 0; --r, tie_bits &= tie_bits - 1) kept_ties |= tie_bits & (0u - tie_bits);
+        tie_bits = kept_ties;
       }
+      const unsigned keep = above_bits | tie_bits;
+      int o = above_before + (before & 0xFFFF) + min(tb, need) - step_base;
+      const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+      for (int j = 0; j < kGateVec; ++j)
+        if (keep >> j & 1u) {
+          stage_idx[o] = static_cast<std::uint32_t>(first + j);
+          stage_val[o] = static_cast<unsigned short>(words[j / 2] >> (16 * (j % 2)));
+          ++o;
+        }
       __syncthreads();
       for (int i = tid; i < step_end - step_base; i += kGateThreads) {
         idx_row[step_base + i] = static_cast<std::int32_t>(stage_idx[i]);
