@@ -1343,9 +1343,10 @@ TEST_CASE("retention: evicted far blocks leave the pool, and a step keeps only r
   (void)run_step(cached, cache, slots);
   for (const auto r : run_step(cached, cache, slots).refreshed) REQUIRE(r == 0);
 
-  // What goes: every block holding a slice KV head 0 kept (so the selection
-  // must change), then random far blocks, down to top_k_coarse + 3 far
-  // blocks resident (sequence 2: exactly top_k_coarse).
+  // What goes: every far block holding a slice KV head 0 kept (so the
+  // selection must change; the block holding the window's start may hold
+  // one too, and is not evictable), then random far blocks, down to
+  // top_k_coarse + 3 far blocks resident (sequence 2: exactly top_k_coarse).
   workload::splitmix64 rng(seed + 3);
   std::vector<std::vector<std::int32_t>> evicted(B);
   for (int b = 0; b < B; ++b) {
@@ -1354,7 +1355,8 @@ TEST_CASE("retention: evicted far blocks leave the pool, and a step keeps only r
     std::set<std::int32_t> pick;
     const std::size_t row = static_cast<std::size_t>(b) * 8 * cfg.top_k_fine;
     for (int i = 0; i < full.num[static_cast<std::size_t>(b) * 8]; ++i)
-      if (static_cast<std::int64_t>(pick.size()) < go) pick.insert(full.kept[row + i] / spb);
+      if (const std::int32_t block = full.kept[row + i] / spb; block < far && static_cast<std::int64_t>(pick.size()) < go)
+        pick.insert(block);
     while (static_cast<std::int64_t>(pick.size()) < go) pick.insert(static_cast<std::int32_t>(rng.next() % far));
     evicted[b].assign(pick.begin(), pick.end());
   }
