@@ -356,15 +356,23 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
       }
       in_bits &= valid;
       if (in_bits != 0) {
-        unsigned slot = atomicAdd(&sm.fill, static_cast<unsigned>(__popc(in_bits)));
+        const unsigned count = static_cast<unsigned>(__popc(in_bits));
+        unsigned slot = atomicAdd(&sm.fill, count);
+        // A candidate of a positive bracket is a positive number: its
+        // ordered word is its bits with the top bit set.
+        auto word = [&](int j) { return positive ? __float_as_uint(sc[j]) | 0x80000000u : x[j]; };
+        if (slot + count <= kGateCandidates) {  // the buffer's bound tested once, not per store
 #pragma unroll
-        for (int j = 0; j < kGateVec; ++j)
-          if (in_bits >> j & 1u) {
-            // A candidate of a positive bracket is a positive number: its
-            // ordered word is its bits with the top bit set.
-            if (slot < kGateCandidates) sm.candidates[slot] = positive ? __float_as_uint(sc[j]) | 0x80000000u : x[j];
-            ++slot;
-          }
+          for (int j = 0; j < kGateVec; ++j)
+            if (in_bits >> j & 1u) sm.candidates[slot++] = word(j);
+        } else {
+#pragma unroll
+          for (int j = 0; j < kGateVec; ++j)
+            if (in_bits >> j & 1u) {
+              if (slot < kGateCandidates) sm.candidates[slot] = word(j);
+              ++slot;
+            }
+        }
       }
     });
     const int above = block_sum(mine);  // columns above hi; the barrier also publishes the candidates
