@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -75,8 +76,43 @@ inline constexpr bool is_gate_value_v = std::is_same_v<T, __half> || std::is_sam
 template <class G>
 inline constexpr bool is_gate_weight_v = is_gate_value_v<G> || std::is_same_v<G, float>;
 
+/// |a| g rounded to nearest, subnormals kept under -ftz too (the contract's
+/// fl32 product); |a| folds into the multiply.
+__device__ __forceinline__ float abs_mul(float a, float g) {
+  float r;
+  asm("{\n .reg .f32 t;\n abs.f32 t, %1;\n mul.rn.f32 %0, t, %2;\n}\n" : "=f"(r) : "f"(a), "f"(g));
+  return r;
+}
+
+/// Bit `Bit` of `above` set where s > hi and of `inside` where lo <= s and
+/// not s > hi: IEEE compares (a NaN sets neither) as predicated ORs.
+template <unsigned Bit>
+__device__ __forceinline__ void or_above_inside(float s, float lo, float hi, unsigned& above, unsigned& inside) {
+  asm("{\n .reg .pred p, q;\n setp.gt.f32 p, %2, %4;\n setp.ge.and.f32 q, %2, %3, !p;\n"
+      " @p or.b32 %0, %0, %5;\n @q or.b32 %1, %1, %5;\n}\n"
+      : "+r"(above), "+r"(inside)
+      : "f"(s), "f"(lo), "f"(hi), "n"(1u << Bit));
+}
+
+/// Bit `Bit` of `above` set where s > t and of `equal` where s == t (IEEE).
+template <unsigned Bit>
+__device__ __forceinline__ void or_above_equal(float s, float t, unsigned& above, unsigned& equal) {
+  asm("{\n .reg .pred p, q;\n setp.gt.f32 p, %2, %3;\n setp.eq.f32 q, %2, %3;\n"
+      " @p or.b32 %0, %0, %4;\n @q or.b32 %1, %1, %4;\n}\n"
+      : "+r"(above), "+r"(equal)
+      : "f"(s), "f"(t), "n"(1u << Bit));
+}
+
 /// The ordered word of one column's score: fl32(|a| g), one rounding.
-__device__ __forceinline__ std::uint32_t gate_word(float a, float g) { return ordered_bits(ptx::abs_mul_rn(a, g)); }
+__device__ __forceinline__ std::uint32_t gate_word(float a, float g) { return ordered_bits(abs_mul(a, g)); }
+
+/// f(std::integral_constant<unsigned, J>) for J = 0 .. kGateVec - 1.
+template <class F>
+__device__ __forceinline__ void for_each_column(F&& f) {
+  [&]<unsigned... J>(std::integer_sequence<unsigned, J...>) {
+    (f(std::integral_constant<unsigned, J>{}), ...);
+  }(std::make_integer_sequence<unsigned, kGateVec>{});
+}
 
 /// One row as its CTA reads it, a step of kGateVec columns a thread.
 template <class T, class G>
@@ -117,8 +153,21 @@ struct gate_row {
 #pragma unroll
       for (int j = 0; j < kGateVec; ++j) g[j] = first + j < n ? to_float(gate[first + j]) : 0.0f;
     }
+    float v[kGateVec];
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      // A bf16 is the top half of its float: one shift or mask a column.
+      const std::uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-    for (int j = 0; j < kGateVec; ++j) s[j] = ptx::abs_mul_rn(to_float(x[j]), g[j]);
+      for (int j = 0; j < kGateVec; j += 2) {
+        v[j] = __uint_as_float(w[j / 2] << 16);
+        v[j + 1] = __uint_as_float(w[j / 2] & 0xFFFF0000u);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kGateVec; ++j) v[j] = to_float(x[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < kGateVec; ++j) s[j] = abs_mul(v[j], g[j]);
   }
 
   /// Their ordered words.
@@ -341,11 +390,12 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
       std::uint32_t x[kGateVec];
       if (positive) {
         src.scores(raw, first, sc);
-#pragma unroll
-        for (int j = 0; j < kGateVec; ++j) {
-          mine += static_cast<int>((valid >> j & 1u) & ptx::gt_ieee(sc[j], hi_f));
-          in_bits |= (ptx::ge_ieee(sc[j], lo_f) & ptx::le_ieee(sc[j], hi_f)) << j;
-        }
+        unsigned above_bits = 0;
+        for_each_column([&](auto j) {
+          constexpr unsigned J = decltype(j)::value;
+          or_above_inside<J>(sc[J], lo_f, hi_f, above_bits, in_bits);
+        });
+        mine += __popc(above_bits & valid);
       } else {
         src.words(raw, first, x);
 #pragma unroll
@@ -358,9 +408,9 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
       if (in_bits != 0) {
         const unsigned count = static_cast<unsigned>(__popc(in_bits));
         unsigned slot = atomicAdd(&sm.fill, count);
-        // A candidate of a positive bracket is a positive number: its
-        // ordered word is its bits with the top bit set.
-        auto word = [&](int j) { return positive ? __float_as_uint(sc[j]) | 0x80000000u : x[j]; };
+        // A candidate of a positive bracket is a positive number, kept as
+        // its float bits (its ordered word less the top bit).
+        auto word = [&](int j) { return positive ? __float_as_uint(sc[j]) : x[j]; };
         if (slot + count <= kGateCandidates) {  // the buffer's bound tested once, not per store
 #pragma unroll
           for (int j = 0; j < kGateVec; ++j)
@@ -383,8 +433,9 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
         t = lo;
         need = k - above;
       } else if (held <= kGateCandidates) {
+        const std::uint32_t top_bit = positive ? 0x80000000u : 0u;
         auto candidates = [&](auto&& f) {
-          for (int i = tid; i < held; i += kGateThreads) f(sm.candidates[i]);
+          for (int i = tid; i < held; i += kGateThreads) f(sm.candidates[i] | top_bit);
         };
         t = radix_kth(sm, cur, k - above, lo, top, 0, candidates, need);
       } else {
@@ -424,11 +475,10 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
       src.scores(raw, first, sc);
       unsigned above_bits = 0, tie_bits = 0;
       if (!t_nan) {  // uniform
-#pragma unroll
-        for (int j = 0; j < kGateVec; ++j) {
-          above_bits |= ptx::gt_ieee(sc[j], tf) << j;
-          tie_bits |= ptx::eq_ieee(sc[j], tf) << j;
-        }
+        for_each_column([&](auto j) {
+          constexpr unsigned J = decltype(j)::value;
+          or_above_equal<J>(sc[J], tf, above_bits, tie_bits);
+        });
       } else {
 #pragma unroll
         for (int j = 0; j < kGateVec; ++j) {
