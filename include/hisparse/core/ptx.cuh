@@ -71,26 +71,39 @@ __device__ __forceinline__ uint4 ld_nc_no_l1(const void* p) {
 /// contract's fl32 product, which ftz would turn to 0.
 __device__ __forceinline__ float abs_mul_rn(float a, float b) {
   float r;
-  asm("mul.rn.f32 %0, %1, %2;\n" : "=f"(r) : "f"(__int_as_float(__float_as_int(a) & 0x7fffffff)), "f"(b));
+  asm("{\n .reg .f32 t;\n abs.f32 t, %1;\n mul.rn.f32 %0, t, %2;\n}\n" : "=f"(r) : "f"(a), "f"(b));  // |a| folds into FMUL
   return r;
 }
 
-/// IEEE compares of two floats as 0/1, subnormals kept even where the
-/// translation unit is compiled with -ftz=true (whose setp.*.ftz.f32 flushes
-/// both operands to zero, so a subnormal would equal 0 and its neighbours).
-#define HISPARSE_PTX_FCMP(name, op)                                                               \
-  __device__ __forceinline__ unsigned name(float a, float b) {                                    \
-    unsigned r;                                                                                   \
-    asm("{\n .reg .pred p;\n setp." op ".f32 p, %1, %2;\n selp.u32 %0, 1, 0, p;\n}\n"            \
-        : "=r"(r)                                                                                 \
-        : "f"(a), "f"(b));                                                                        \
-    return r;                                                                                     \
-  }
-HISPARSE_PTX_FCMP(gt_ieee, "gt")
-HISPARSE_PTX_FCMP(ge_ieee, "ge")
-HISPARSE_PTX_FCMP(le_ieee, "le")
-HISPARSE_PTX_FCMP(eq_ieee, "eq")
-#undef HISPARSE_PTX_FCMP
+// IEEE compares, subnormals kept even where the translation unit is
+// compiled with -ftz=true (whose setp.*.ftz.f32 flushes both operands to
+// zero, so a subnormal would equal 0 and its neighbours).
+
+/// a == b as 0/1.
+__device__ __forceinline__ unsigned eq_ieee(float a, float b) {
+  unsigned r;
+  asm("{\n .reg .pred p;\n setp.eq.f32 p, %1, %2;\n selp.u32 %0, 1, 0, p;\n}\n" : "=r"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+/// Bit `Bit` of `above` set where a > hi and of `inside` where lo <= a and
+/// not a > hi: predicated ORs, no 0/1 values (a NaN sets neither).
+template <unsigned Bit>
+__device__ __forceinline__ void or_above_inside(float a, float lo, float hi, unsigned& above, unsigned& inside) {
+  asm("{\n .reg .pred p, q;\n setp.gt.f32 p, %2, %4;\n setp.ge.and.f32 q, %2, %3, !p;\n"
+      " @p or.b32 %0, %0, %5;\n @q or.b32 %1, %1, %5;\n}\n"
+      : "+r"(above), "+r"(inside)
+      : "f"(a), "f"(lo), "f"(hi), "n"(1u << Bit));
+}
+
+/// Bit `Bit` of `above` set where a > t and of `equal` where a == t.
+template <unsigned Bit>
+__device__ __forceinline__ void or_above_equal(float a, float t, unsigned& above, unsigned& equal) {
+  asm("{\n .reg .pred p, q;\n setp.gt.f32 p, %2, %3;\n setp.eq.f32 q, %2, %3;\n"
+      " @p or.b32 %0, %0, %4;\n @q or.b32 %1, %1, %4;\n}\n"
+      : "+r"(above), "+r"(equal)
+      : "f"(a), "f"(t), "n"(1u << Bit));
+}
 
 /// Two 32-bit words to a shared-memory address in one store.
 __device__ __forceinline__ void st_shared_v2(unsigned addr, unsigned a, unsigned b) {

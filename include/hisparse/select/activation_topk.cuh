@@ -76,35 +76,8 @@ inline constexpr bool is_gate_value_v = std::is_same_v<T, __half> || std::is_sam
 template <class G>
 inline constexpr bool is_gate_weight_v = is_gate_value_v<G> || std::is_same_v<G, float>;
 
-/// |a| g rounded to nearest, subnormals kept under -ftz too (the contract's
-/// fl32 product); |a| folds into the multiply.
-__device__ __forceinline__ float abs_mul(float a, float g) {
-  float r;
-  asm("{\n .reg .f32 t;\n abs.f32 t, %1;\n mul.rn.f32 %0, t, %2;\n}\n" : "=f"(r) : "f"(a), "f"(g));
-  return r;
-}
-
-/// Bit `Bit` of `above` set where s > hi and of `inside` where lo <= s and
-/// not s > hi: IEEE compares (a NaN sets neither) as predicated ORs.
-template <unsigned Bit>
-__device__ __forceinline__ void or_above_inside(float s, float lo, float hi, unsigned& above, unsigned& inside) {
-  asm("{\n .reg .pred p, q;\n setp.gt.f32 p, %2, %4;\n setp.ge.and.f32 q, %2, %3, !p;\n"
-      " @p or.b32 %0, %0, %5;\n @q or.b32 %1, %1, %5;\n}\n"
-      : "+r"(above), "+r"(inside)
-      : "f"(s), "f"(lo), "f"(hi), "n"(1u << Bit));
-}
-
-/// Bit `Bit` of `above` set where s > t and of `equal` where s == t (IEEE).
-template <unsigned Bit>
-__device__ __forceinline__ void or_above_equal(float s, float t, unsigned& above, unsigned& equal) {
-  asm("{\n .reg .pred p, q;\n setp.gt.f32 p, %2, %3;\n setp.eq.f32 q, %2, %3;\n"
-      " @p or.b32 %0, %0, %4;\n @q or.b32 %1, %1, %4;\n}\n"
-      : "+r"(above), "+r"(equal)
-      : "f"(s), "f"(t), "n"(1u << Bit));
-}
-
 /// The ordered word of one column's score: fl32(|a| g), one rounding.
-__device__ __forceinline__ std::uint32_t gate_word(float a, float g) { return ordered_bits(abs_mul(a, g)); }
+__device__ __forceinline__ std::uint32_t gate_word(float a, float g) { return ordered_bits(ptx::abs_mul_rn(a, g)); }
 
 /// f(std::integral_constant<unsigned, J>) for J = 0 .. kGateVec - 1.
 template <class F>
@@ -167,7 +140,7 @@ struct gate_row {
       for (int j = 0; j < kGateVec; ++j) v[j] = to_float(x[j]);
     }
 #pragma unroll
-    for (int j = 0; j < kGateVec; ++j) s[j] = abs_mul(v[j], g[j]);
+    for (int j = 0; j < kGateVec; ++j) s[j] = ptx::abs_mul_rn(v[j], g[j]);
   }
 
   /// Their ordered words.
@@ -393,7 +366,7 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
         unsigned above_bits = 0;
         for_each_column([&](auto j) {
           constexpr unsigned J = decltype(j)::value;
-          or_above_inside<J>(sc[J], lo_f, hi_f, above_bits, in_bits);
+          ptx::or_above_inside<J>(sc[J], lo_f, hi_f, above_bits, in_bits);
         });
         mine += __popc(above_bits & valid);
       } else {
@@ -455,7 +428,7 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
 
   // 3. Emit in index order: a column's slot is the columns kept before it
   // (those above t, and the first `need` ties at t). Scores compare as
-  // floats, one IEEE setp (ptx::gt_ieee, exact under -ftz too), not an
+  // floats, one IEEE setp (exact under -ftz too), not an
   // ordered word's six: for the word t of a number, word(s) > t is s > t's
   // float and word(s) == t is s == it (-0 == +0, NaN neither); for t = 0
   // (NaN's word) a tie is a NaN and every number is above. A step's kept
@@ -477,7 +450,7 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
       if (!t_nan) {  // uniform
         for_each_column([&](auto j) {
           constexpr unsigned J = decltype(j)::value;
-          or_above_equal<J>(sc[J], tf, above_bits, tie_bits);
+          ptx::or_above_equal<J>(sc[J], tf, above_bits, tie_bits);
         });
       } else {
 #pragma unroll
