@@ -150,6 +150,15 @@ __device__ __forceinline__ unsigned block_index_x() {
 
 // ---- Thread-block clusters (sm_90+)
 
+/// Whether the device code being compiled can run in a cluster: false in
+/// an sm_80/sm_89 pass, where a cluster kernel can be left without a body
+/// (its launcher picks the one-CTA kernel there).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+inline constexpr bool kArchHasClusters = false;
+#else
+inline constexpr bool kArchHasClusters = true;
+#endif
+
 /// This CTA's rank in its cluster.
 __device__ __forceinline__ unsigned cluster_rank() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

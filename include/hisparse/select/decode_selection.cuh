@@ -212,6 +212,10 @@ __device__ void write_reused_selection(const decode_params<Q>& p, std::int64_t a
 template <class Q, int D, int S, bool Wide, fine_summary Fine, bool CoarseBounds = false,
           class Shape = dynamic_selection_shape>
 __global__ void __launch_bounds__(kSelectThreads, kSelectMinBlocksPerSm) decode_selection_kernel(const __grid_constant__ decode_params<Q> p) {
+  if constexpr (S > 1 && !ptx::kArchHasClusters) {  // never launched below sm_90 (launch_selection): no body
+    __trap();
+    return;
+  }
   using SumT = typename kv::fine_summary_traits<Fine>::element;
   using cluster = cluster_ops<S>;
   constexpr int kMaxCandidates = Wide ? kMaxSelectCandidates : kFilterMaxCandidates;
