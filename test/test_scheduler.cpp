@@ -84,7 +84,7 @@ TEST_CASE("admission takes a request exactly when the forecast with it fits", "[
     // A budget just below, at or just above the forecast with the candidate
     // (never below what already runs).
     const std::size_t budget = std::max(with - 100 + 100 * static_cast<std::size_t>(rng.below(3)), s.forecast_peak());
-    s.set_budget(budget);
+    REQUIRE(s.set_budget(budget) == status::success);  // nothing waits
     const bool expect = with <= budget;
     if (s.submit(c) != status::success) {  // its own last step alone is over the budget
       REQUIRE(!expect);
@@ -114,6 +114,35 @@ TEST_CASE("the scheduler rejects what can never fit and finishes early stops", "
   const auto next = s.admit();
   REQUIRE(next.size() == 1);
   CHECK(next[0].id == 5);
+}
+
+TEST_CASE("a lowered budget hands back the waiting requests it can never hold", "[runtime][scheduler][errors]") {
+  admission_scheduler::options o;
+  o.budget_bytes = model_bytes(100000);
+  o.max_bypass = 1;
+  admission_scheduler s(o, model_bytes);
+  REQUIRE(s.submit(request(0, 50000, 10)) == status::success);
+  REQUIRE(s.admit().size() == 1);
+  REQUIRE(s.submit(request(1, 80000, 10)) == status::success);  // waits for 0; too large for 70000
+  REQUIRE(s.submit(request(2, 1000, 10)) == status::success);
+  REQUIRE(s.submit(request(3, 1000, 10)) == status::success);
+  // Without a list to hand request 1 back into, the budget stays.
+  CHECK(s.set_budget(model_bytes(70000)) == status::invalid_argument);
+  CHECK(s.settings().budget_bytes == model_bytes(100000));
+  CHECK(s.waiting() == 3);
+  std::vector<serving_request> withdrawn;
+  REQUIRE(s.set_budget(model_bytes(70000), &withdrawn) == status::success);
+  REQUIRE(withdrawn.size() == 1);
+  CHECK(withdrawn[0].id == 1);
+  CHECK(s.waiting() == 2);
+  // The rest is admitted: request 1, had it stayed the oldest, would have
+  // stopped every admission after one bypass.
+  std::vector<std::int64_t> ids;
+  for (int i = 0; i < 100 && ids.size() < 2; ++i) {
+    for (const auto& r : s.admit()) ids.push_back(r.id);
+    (void)s.step();
+  }
+  CHECK(ids == std::vector<std::int64_t>{2, 3});
 }
 
 TEST_CASE("later requests pass the oldest at most max_bypass times", "[runtime][scheduler]") {

@@ -17,7 +17,8 @@
 // against them in O(n) (peak_with); forecast_peak is the same two steps.
 //
 // Requests larger than the whole budget are rejected at submit, with the
-// reason; every other request is eventually admitted (first come, first
+// reason (and withdrawn by a later, lower budget: set_budget hands them
+// back); every other request is eventually admitted (first come, first
 // served; a later, smaller request may go first only while the oldest has
 // waited fewer than `max_bypass` admissions), so none is lost.
 
@@ -137,7 +138,29 @@ class admission_scheduler {
   /// Changes the budget later admissions are judged against (running
   /// requests keep going; lowered below forecast_peak(), the running ones
   /// may exceed it until they end, and nothing is admitted until then).
-  void set_budget(std::size_t bytes) { opt_.budget_bytes = bytes; }
+  /// A waiting request whose final size alone exceeds the new budget could
+  /// never be admitted (and, once the oldest, would stop every admission):
+  /// it leaves the queue into `*withdrawn`, in queue order; without
+  /// `withdrawn`, such a budget is refused (invalid_argument, nothing
+  /// changed), so no request is dropped unseen.
+  [[nodiscard]] status set_budget(std::size_t bytes, std::vector<serving_request>* withdrawn = nullptr) {
+    for (const queued& q : waiting_)
+      if (withdrawn == nullptr && bytes_of_(q.request.final_tokens()) > bytes)
+        return fail(status::invalid_argument,
+                    "scheduler: a budget of " + std::to_string(bytes) + " bytes cannot hold waiting request " +
+                        std::to_string(q.request.id) + " (" + std::to_string(bytes_of_(q.request.final_tokens())) +
+                        " bytes at its last token); pass a list to withdraw such requests into");
+    opt_.budget_bytes = bytes;
+    for (auto it = waiting_.begin(); it != waiting_.end();) {
+      if (bytes_of_(it->request.final_tokens()) > bytes) {
+        withdrawn->push_back(it->request);
+        it = waiting_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    return status::success;
+  }
 
   [[nodiscard]] std::size_t waiting() const { return waiting_.size(); }
   [[nodiscard]] std::size_t running_count() const { return running_.size(); }
