@@ -56,14 +56,21 @@ TEST_CASE("layout_prefill_segments refuses chunks off a tile boundary", "[select
   CHECK(bad(segment(1, -64, 100), 64) == status::invalid_argument);
   CHECK(bad(segment(1, 64, 0), 64) == status::invalid_argument);
   CHECK(bad(segment(1, 64, 1), 0) == status::invalid_argument);
+  // Past the longest context (2^30): refused, not wrapped past int32.
+  CHECK(bad(segment(1, (1 << 30) - 64, 64), 64) == status::success);
+  tiles = -7;
+  CHECK(bad(segment(1, (1 << 30) - 64, 65), 64) == status::invalid_argument);
+  CHECK_THAT(last_error(), Catch::Contains("past the longest context"));
+  CHECK(bad(segment(1, 0x7FFFFFC0, 128), 64) == status::invalid_argument);
   CHECK(tiles == -7);  // not written on failure
   CHECK(select::layout_prefill_segments(nullptr, 0, 64, tiles) == status::invalid_argument);
 }
 
 TEST_CASE("select_prefill_async rejects bad input before touching the device", "[select][prefill][errors]") {
-  // Pointers are never dereferenced on the host: any non-null address works.
+  // Pointers are never dereferenced on the host: any non-null (and, for the
+  // queries, 16-byte aligned) address works.
   static float sums[1];
-  static __nv_bfloat16 q[1];
+  static __nv_bfloat16 q alignas(16)[8];
   static select::prefill_segment seg[1];
   static std::int32_t out_i[1];
   const SparseAttentionConfig cfg;
@@ -101,6 +108,9 @@ TEST_CASE("select_prefill_async rejects bad input before touching the device", "
   rejects([](args&, SparseAttentionConfig& c, outs&) { c.query_tile = 128; }, status::invalid_argument, "query_tile");
   rejects([](args& b, SparseAttentionConfig&, outs&) { b.queries = nullptr; }, status::invalid_argument,
           "must not be null");
+  // The kernel reads eight query elements at a time (16-byte loads).
+  rejects([](args& b, SparseAttentionConfig&, outs&) { b.queries = q + 1; }, status::invalid_argument,
+          "queries must be 16-byte aligned");
   rejects([](args&, SparseAttentionConfig&, outs& o) { o.window_begin = nullptr; }, status::invalid_argument,
           "must not be null");
   rejects([](args& b, SparseAttentionConfig&, outs&) { b.layer = 2; }, status::invalid_argument, "layer");
@@ -280,6 +290,7 @@ TEST_CASE("the composed prefill checks, sizes and plans on the host", "[runtime]
   a.cache.head_dim = 128;
   a.cache.fine_slice = 64;
   a.cache.coarse_block = 1024;
+  a.cache.max_slices = 4096;  // 256K positions a sequence
   a.cache.page_table = table;
   a.cache.lengths = lengths;
   const SparseAttentionConfig cfg;
@@ -321,6 +332,21 @@ TEST_CASE("the composed prefill checks, sizes and plans on the host", "[runtime]
   CHECK(op.can_implement(bad) == status::invalid_argument);
   bad = a;
   bad.max_end = -1;
+  CHECK(op.can_implement(bad) == status::invalid_argument);
+  // Positions past what the cache holds a sequence: refused before the
+  // selection would rank blocks past the cache's rows.
+  bad.max_end = 262144;
+  CHECK(op.can_implement(bad) == status::success);
+  bad.max_end = 262145;
+  CHECK(op.can_implement(bad) == status::invalid_argument);
+  CHECK_THAT(last_error(), Catch::Contains("past the cache's 262144 positions"));
+  // Queries and outputs move 16 bytes at a time.
+  bad = a;
+  bad.queries = dummy + 1;
+  CHECK(op.can_implement(bad) == status::invalid_argument);
+  CHECK_THAT(last_error(), Catch::Contains("16-byte aligned"));
+  bad = a;
+  bad.out = dummy + 4;
   CHECK(op.can_implement(bad) == status::invalid_argument);
   SparseAttentionConfig wide = cfg;
   wide.query_tile = 128;  // wider than the config allows (and the tile's block_q)

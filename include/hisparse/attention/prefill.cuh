@@ -1081,6 +1081,8 @@ template <class T>
       c.lengths == nullptr)
     return bad("queries, out, segments and the cache's page table and lengths are required");
   if (a.num_segments < 1 || a.num_tiles < 0) return bad("need at least one segment");
+  auto aligned = [](const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0; };
+  if (!aligned(a.queries) || !aligned(a.out)) return bad("queries and out must be 16-byte aligned");
   if (c.head_dim != 64 && c.head_dim != 128 && c.head_dim != 256)
     return bad("head_dim " + std::to_string(c.head_dim) + " (64, 128 or 256)");
   if (c.kv_heads < 1 || a.num_q_heads < c.kv_heads || a.num_q_heads % c.kv_heads != 0)

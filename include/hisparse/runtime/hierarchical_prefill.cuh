@@ -95,8 +95,13 @@ class hierarchical_prefill {
     return can_implement_all(
         [&] { return check(cfg_); },
         [&] {
-          return a.max_end < 0 ? fail(status::invalid_argument, "hierarchical prefill: max_end must be >= 0")
-                               : status::success;
+          const std::int64_t capacity = std::int64_t{a.cache.max_slices} * a.cache.fine_slice;
+          if (a.max_end < 0) return fail(status::invalid_argument, "hierarchical prefill: max_end must be >= 0");
+          if (a.max_end > capacity)
+            return fail(status::invalid_argument, "hierarchical prefill: max_end " + std::to_string(a.max_end) +
+                                                      " is past the cache's " + std::to_string(capacity) +
+                                                      " positions a sequence");
+          return status::success;
         },
         [&] {
           return attention::can_implement_prefill_attention(attention_arguments(a, true, dummy(), dummy()), Tile);

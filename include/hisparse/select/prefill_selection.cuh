@@ -81,6 +81,10 @@ struct prefill_segment {
                   "prefill segment " + std::to_string(i) + ": q_begin " + std::to_string(s.q_begin) +
                       " must be a non-negative multiple of the query tile " + std::to_string(m) +
                       " and num_queries " + std::to_string(s.num_queries) + " at least 1");
+    if (std::int64_t{s.q_begin} + s.num_queries > kMaxContext)
+      return fail(status::invalid_argument, "prefill segment " + std::to_string(i) + " ends at " +
+                                                std::to_string(std::int64_t{s.q_begin} + s.num_queries) +
+                                                ", past the longest context (2^30 tokens)");
     s.query_offset = static_cast<std::int32_t>(rows);
     s.tile_offset = static_cast<std::int32_t>(tiles);
     rows += s.num_queries;
@@ -739,6 +743,7 @@ template <class Q>
                                          "decode selection has it)");
   if (a.queries == nullptr || a.segments == nullptr || a.slice_sums == nullptr || a.block_sums == nullptr)
     return bad("queries, segments and the cache's summaries must not be null");
+  if (reinterpret_cast<std::uintptr_t>(a.queries) % 16 != 0) return bad("queries must be 16-byte aligned");
   if (out.kept_slices == nullptr || out.num_slices == nullptr || out.window_begin == nullptr)
     return bad("kept_slices, num_slices and window_begin outputs must not be null");
   return detail::check_summaries(cfg, a, a.layer, "prefill");
