@@ -1095,6 +1095,11 @@ TEST_CASE("decode step replays from a CUDA graph with new queries and tokens", "
   REQUIRE(op.workspace_bytes(a, bytes) == status::success);
   dev<char> ws(bytes);
   REQUIRE(op.plan(a, ws.ptr, bytes, stream) == status::success);
+  // A rebind keeps the planned shape: the merge counters plan zeroed are
+  // laid out for its heads.
+  auto other = a;
+  other.num_q_heads = 16;
+  CHECK(op.rebind(other) == status::invalid_argument);
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   HISPARSE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));

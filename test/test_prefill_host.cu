@@ -309,6 +309,16 @@ TEST_CASE("the composed prefill checks, sizes and plans on the host", "[runtime]
   auto more = a;
   more.num_tiles = 4097;
   CHECK(op.rebind(more) == status::invalid_argument);
+  // Another shape in the same workspace: its parts were laid out for 8 KV
+  // heads (16 would write the kept slices past them).
+  auto other = a;
+  other.cache.kv_heads = 16;
+  REQUIRE(op.can_implement(other) == status::success);
+  CHECK(op.rebind(other) == status::invalid_argument);
+  CHECK_THAT(last_error(), Catch::Contains("plan again"));
+  other = a;
+  other.num_q_heads = 16;
+  CHECK(op.rebind(other) == status::invalid_argument);
   // A prompt of 1500 tokens: its last tile's far region is 15 slices, fewer
   // than top_k_fine: the selection would keep all of them.
   auto short_prompt = a;

@@ -3,10 +3,12 @@
 // composer lays the parts out and checks every stage before any work):
 // workspace_layout places the stages' workspaces one after another in one
 // buffer, each part aligned; can_implement_all runs every stage's check and
-// returns the first failure.
+// returns the first failure; check_rebind_shape keeps a rebind to the
+// planned shape.
 
 #include <array>
 #include <cstddef>
+#include <string>
 
 #include "hisparse/core/macros.hpp"
 #include "hisparse/core/status.hpp"
@@ -40,6 +42,22 @@ template <class... Checks>
   status result = status::success;
   (void)((result = checks(), result == status::success) && ...);
   return result;
+}
+
+/// A planned operator's rebind: `a` must keep the shape `planned` had (the
+/// workspace's parts and the counters the plan zeroed are laid out for it).
+/// `who` names the operator in the message.
+template <class Arguments>
+[[nodiscard]] status check_rebind_shape(const Arguments& planned, const Arguments& a, const char* who) {
+  if (a.num_q_heads == planned.num_q_heads && a.cache.kv_heads == planned.cache.kv_heads &&
+      a.cache.head_dim == planned.cache.head_dim)
+    return status::success;
+  return fail(status::invalid_argument,
+              std::string(who) + ": rebind to " + std::to_string(a.num_q_heads) + " query heads, " +
+                  std::to_string(a.cache.kv_heads) + " KV heads, head_dim " + std::to_string(a.cache.head_dim) +
+                  "; the plan was made for " + std::to_string(planned.num_q_heads) + ", " +
+                  std::to_string(planned.cache.kv_heads) + ", " + std::to_string(planned.cache.head_dim) +
+                  " (plan again)");
 }
 
 }  // namespace hisparse

@@ -165,15 +165,16 @@ class hierarchical_decode {
   }
 
   /// Points a planned operator at another batch of at most the planned size
-  /// (new queries, slots, outputs) in the same workspace: host work only, no
-  /// stream operation. The merge counters `plan` zeroed stay valid: they are
-  /// sized for the planned batch at the front of the workspace, and every run
-  /// leaves them zero.
+  /// and of the planned shape (new queries, slots, outputs, layer) in the
+  /// same workspace: host work only, no stream operation. The merge counters
+  /// `plan` zeroed stay valid: they are sized for the planned batch and
+  /// shape at the front of the workspace, and every run leaves them zero.
   [[nodiscard]] status rebind(const arguments& a) {
     if (!planned_) return fail(status::invalid_argument, "hierarchical decode: rebind before plan");
     if (a.batch > planned_batch_)
       return fail(status::invalid_argument, "hierarchical decode: batch " + std::to_string(a.batch) +
                                                 " exceeds the planned " + std::to_string(planned_batch_));
+    HISPARSE_TRY(check_rebind_shape(args_, a, "hierarchical decode"));
     HISPARSE_TRY(can_implement(a));
     layout l;
     HISPARSE_TRY(make_layout(a, gpu_, planned_batch_, l));

@@ -132,12 +132,14 @@ class hierarchical_prefill {
   }
 
   /// Points a planned operator at another call of at most the planned tiles
-  /// in the same workspace (host work only).
+  /// and the planned shape (heads, head_dim) in the same workspace (host
+  /// work only).
   [[nodiscard]] status rebind(const arguments& a) {
     if (!planned_) return fail(status::invalid_argument, "hierarchical prefill: rebind before plan");
     if (a.num_tiles > planned_tiles_)
       return fail(status::invalid_argument, "hierarchical prefill: " + std::to_string(a.num_tiles) +
                                                 " tiles exceed the planned " + std::to_string(planned_tiles_));
+    HISPARSE_TRY(check_rebind_shape(args_, a, "hierarchical prefill"));
     HISPARSE_TRY(can_implement(a));
     bind(a);
     return status::success;
