@@ -360,6 +360,14 @@ TEST_CASE("decode selection on bf16 slice summaries needs a cache that keeps the
   o.maintain_summaries = false;
   using cache_t = kv::paged_kv_cache<__nv_bfloat16, mr::device_pool_resource>;
   CHECK_THROWS_WITH(cache_t(device, o), Catch::Contains("fine_summary mean_bf16 needs maintain_summaries"));
+  // A cache without summaries (dense use) has none to rank: refused, not
+  // ranked from memory nothing wrote.
+  o.fine_summary = fine_summary::mean;
+  cache_t dense_only(device, o);
+  a.set_cache(dense_only.ref());
+  CHECK(a.slice_sums == nullptr);
+  CHECK(select::can_implement_decode_selection(SparseAttentionConfig{}, a) == status::invalid_argument);
+  CHECK_THAT(last_error(), Catch::Contains("without maintain_summaries"));
 }
 
 TEST_CASE("decode selection of keys that share a large mean", "[gpu][select]") {

@@ -930,16 +930,19 @@ class paged_kv_cache {
     return slot >= 0 && slot < opt_.max_sequences && slots_[static_cast<std::size_t>(slot)].active;
   }
 
-  /// The view kernels read.
+  /// The view kernels read. Without maintain_summaries the summaries are
+  /// never written: the view has none, so a selection refuses it.
   [[nodiscard]] paged_kv_ref<T> ref() const noexcept {
     paged_kv_ref<T> r;
     r.page_table = page_table_;
-    r.slice_sums = slice_sums_;
+    const bool sums = opt_.maintain_summaries;
+    r.slice_sums = sums ? slice_sums_ : nullptr;
     r.fine = opt_.fine_summary;
-    r.fine_rows = slice_sums_bf16_ != nullptr ? static_cast<const void*>(slice_sums_bf16_)
-                  : slice_bounds_ != nullptr  ? static_cast<const void*>(slice_bounds_)
-                                              : static_cast<const void*>(slice_sums_);
-    r.block_sums = block_sums_;
+    r.fine_rows = !sums                       ? nullptr
+                  : slice_sums_bf16_ != nullptr ? static_cast<const void*>(slice_sums_bf16_)
+                  : slice_bounds_ != nullptr    ? static_cast<const void*>(slice_bounds_)
+                                                : static_cast<const void*>(slice_sums_);
+    r.block_sums = sums ? block_sums_ : nullptr;
     r.block_bounds = block_bounds_;
     r.lengths = lengths_;
     r.layers = opt_.num_layers;

@@ -660,7 +660,8 @@ template <class Q>
   if (a.batch < 1) return bad("batch is empty");
   if (a.queries == nullptr || a.slots == nullptr || a.slice_sums == nullptr || a.block_sums == nullptr ||
       a.lengths == nullptr)
-    return bad("queries, slots and the cache's summaries must not be null");
+    return bad("queries, slots and the cache's summaries must not be null (a cache without maintain_summaries "
+               "keeps none)");
   using launch = typename decode_selection_arguments<Q>::dependents_launch;
   if (static_cast<unsigned>(a.dependents) > static_cast<unsigned>(launch::after_fine_scores))
     return bad("dependents is not one of at_start, after_blocks, after_fine_scores");

@@ -742,7 +742,8 @@ template <class Q>
     return fail(status::unsupported, "prefill selection: coarse_summary key_bounds is not built on the GPU for prefill (the "
                                          "decode selection has it)");
   if (a.queries == nullptr || a.segments == nullptr || a.slice_sums == nullptr || a.block_sums == nullptr)
-    return bad("queries, segments and the cache's summaries must not be null");
+    return bad("queries, segments and the cache's summaries must not be null (a cache without "
+               "maintain_summaries keeps none)");
   if (reinterpret_cast<std::uintptr_t>(a.queries) % 16 != 0) return bad("queries must be 16-byte aligned");
   if (out.kept_slices == nullptr || out.num_slices == nullptr || out.window_begin == nullptr)
     return bad("kept_slices, num_slices and window_begin outputs must not be null");
