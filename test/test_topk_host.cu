@@ -96,4 +96,6 @@ TEST_CASE("activation_topk and gated_gemv reject bad arguments before touching t
   CHECK(bytes == std::size_t{112} * 8 * 4096 * sizeof(float));
   std::size_t short_bytes = bytes - 1;
   fails(gemv(reinterpret_cast<void*>(std::uintptr_t{32768}), short_bytes, 4096, 14336, 4096, 7168, 8), "smaller");
+  // Partial sums are stored as floats: temp must be float-aligned.
+  fails(gemv(reinterpret_cast<void*>(std::uintptr_t{32770}), bytes, 4096, 14336, 4096, 7168, 8), "float-aligned");
 }

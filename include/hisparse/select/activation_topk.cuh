@@ -799,6 +799,9 @@ template <class T, class W>
                std::to_string(needed) + " required");
   if (wt == nullptr || indices == nullptr || values == nullptr || counts == nullptr || y == nullptr)
     return bad("inputs and outputs must not be null");
+  if (reinterpret_cast<std::uintptr_t>(temp) % alignof(float) != 0 ||
+      reinterpret_cast<std::uintptr_t>(y) % alignof(float) != 0)
+    return bad("temp storage and y must be float-aligned");
   auto* partial = static_cast<float*>(temp);
   const dim3 grid((outs + detail::kGemvOutputs - 1) / detail::kGemvOutputs, ranges);
   switch (rows) {
