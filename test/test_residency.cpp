@@ -46,7 +46,11 @@ struct fake_cache {
 
   const options_t& options() const { return opt; }
   std::int64_t length(int, int) const { return tokens; }
-  view residency_of(int slot, int layer) const { return {&of.at({slot, layer})}; }
+  view residency_of(int slot, int layer) const {
+    const auto it = of.find({slot, layer});
+    if (it == of.end()) throw error(status::invalid_argument, "no such (slot, layer)");  // as paged_kv_cache does
+    return {&it->second};
+  }
   status move(std::span<const slice_list> lists, where to) {
     std::set<std::pair<int, int>> seen;
     for (const auto& l : lists) {
@@ -223,4 +227,14 @@ TEST_CASE("rebalance over many (slot, layer) pairs moves what each pair's plan s
       REQUIRE(batched.on_device(pairs[i]) <= 150);
     }
   }
+  // A pair the cache does not hold: the status says so, and nothing moves.
+  const auto before = batched.of;
+  const int calls = batched.offload_calls + batched.fetch_calls;
+  auto with_stranger = pairs;
+  with_stranger.emplace_back(7, 0);
+  CHECK(rebalance(policy, batched, std::span<const std::pair<int, int>>(with_stranger), 0) ==
+        status::invalid_argument);
+  CHECK_THAT(last_error(), Catch::Contains("rebalance") && Catch::Contains("no such (slot, layer)"));
+  CHECK(batched.of == before);
+  CHECK(batched.offload_calls + batched.fetch_calls == calls);
 }

@@ -43,7 +43,11 @@ struct fake_cache {
   int calls = 0;
 
   std::int64_t length(int slot, int layer) const { return lengths.at({slot, layer}); }
-  view residency_of(int slot, int layer) const { return {&gone.at({slot, layer}), cfg.slices_per_block()}; }
+  view residency_of(int slot, int layer) const {
+    const auto it = gone.find({slot, layer});
+    if (it == gone.end()) throw error(status::invalid_argument, "no such (slot, layer)");  // as paged_kv_cache does
+    return {&it->second, cfg.slices_per_block()};
+  }
   status evict_async(std::span<const block_list> lists, const SparseAttentionConfig& c, int) {
     ++calls;
     REQUIRE(c == cfg);
@@ -188,6 +192,14 @@ TEST_CASE("a drifting stream through retain: far blocks only, the budget holds, 
     }
   }
   CHECK(cache.calls >= 1);
+  // A pair the cache does not hold: the status says so, and nothing is evicted.
+  const auto before = cache.gone;
+  const int calls = cache.calls;
+  pairs.emplace_back(9, 0);
+  CHECK(retain(policy, cache, pairs, 0) == status::invalid_argument);
+  CHECK_THAT(last_error(), Catch::Contains("retain") && Catch::Contains("no such (slot, layer)"));
+  CHECK(cache.gone == before);
+  CHECK(cache.calls == calls);
 }
 
 TEST_CASE("retention policy: bad options and out-of-order steps are refused, forget drops a sequence",

@@ -160,7 +160,8 @@ template <class Cache, class Stream>
 /// The same for many (slot, layer) pairs, each listed once: every plan,
 /// then one batched offload and one batched fetch (the cache's
 /// offload_async / fetch_async over slice lists), so a step's policy costs
-/// a few API calls. `moved`, if given, gets each pair's moves in order.
+/// a few API calls. `moved`, if given, gets each pair's moves in order. A
+/// pair the cache does not hold fails the call (its status, nothing moved).
 template <class Cache, class Stream>
 [[nodiscard]] status rebalance(const residency_policy& policy, Cache& cache,
                                std::span<const std::pair<int, int>> pairs, Stream stream,
@@ -169,14 +170,18 @@ template <class Cache, class Stream>
   std::vector<residency_moves> plans;
   plans.reserve(pairs.size());
   std::vector<list> offload, fetch;
-  for (const auto& [slot, layer] : pairs) {
-    const auto complete = static_cast<std::int32_t>(cache.length(slot, layer) / cache.options().fine_slice);
-    // A slice retention evicted (evict_async) is off the device for good:
-    // never offloaded, and not counted against the device budget.
-    const auto where = cache.residency_of(slot, layer);
-    plans.push_back(policy.plan(
-        slot, layer, complete, [&](std::int32_t s) { return where.on_host(s) || where.evicted(s); },
-        std::int64_t{where.host_slices()} + where.evicted_slices()));
+  try {
+    for (const auto& [slot, layer] : pairs) {
+      const auto complete = static_cast<std::int32_t>(cache.length(slot, layer) / cache.options().fine_slice);
+      // A slice retention evicted (evict_async) is off the device for good:
+      // never offloaded, and not counted against the device budget.
+      const auto where = cache.residency_of(slot, layer);
+      plans.push_back(policy.plan(
+          slot, layer, complete, [&](std::int32_t s) { return where.on_host(s) || where.evicted(s); },
+          std::int64_t{where.host_slices()} + where.evicted_slices()));
+    }
+  } catch (const error& e) {  // a slot not in use or a layer out of range: nothing moved
+    return fail(e.code(), std::string("rebalance: ") + e.what());
   }
   for (std::size_t i = 0; i < pairs.size(); ++i) {
     if (!plans[i].offload.empty()) offload.push_back(list{pairs[i].first, pairs[i].second, plans[i].offload});

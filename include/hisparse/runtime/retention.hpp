@@ -127,7 +127,8 @@ class retention_policy {
 
 /// Plans every (slot, layer) pair (each listed once) and evicts the blocks
 /// in one batch (paged_kv_cache::evict_async, stream-ordered). `evicted`, if
-/// given, gets each pair's blocks in order.
+/// given, gets each pair's blocks in order. A pair the cache does not hold
+/// fails the call (its status, nothing evicted).
 template <class Cache, class Stream>
 [[nodiscard]] status retain(const retention_policy& policy, Cache& cache, std::span<const std::pair<int, int>> pairs,
                             Stream stream, std::vector<std::vector<std::int32_t>>* evicted = nullptr) {
@@ -136,11 +137,15 @@ template <class Cache, class Stream>
   plans.reserve(pairs.size());
   std::vector<list> lists;
   const std::int32_t spb = policy.config().slices_per_block();
-  for (const auto& [slot, layer] : pairs) {
-    const auto where = cache.residency_of(slot, layer);
-    plans.push_back(policy.plan(
-        slot, layer, cache.length(slot, layer), [&](std::int32_t b) { return where.evicted(b * spb); },
-        where.evicted_slices() / spb));
+  try {
+    for (const auto& [slot, layer] : pairs) {
+      const auto where = cache.residency_of(slot, layer);
+      plans.push_back(policy.plan(
+          slot, layer, cache.length(slot, layer), [&](std::int32_t b) { return where.evicted(b * spb); },
+          where.evicted_slices() / spb));
+    }
+  } catch (const error& e) {  // a slot not in use or a layer out of range: nothing evicted
+    return fail(e.code(), std::string("retain: ") + e.what());
   }
   for (std::size_t i = 0; i < pairs.size(); ++i)
     if (!plans[i].empty()) lists.push_back(list{pairs[i].first, pairs[i].second, plans[i]});
