@@ -122,6 +122,9 @@ TEST_CASE("the memory budget rejects what no cache could hold", "[runtime][budge
   CHECK(plan_memory(in, b) == status::invalid_argument);
   in.contexts = {5000000};  // more than 4096 blocks
   CHECK(plan_memory(in, b) == status::invalid_argument);
+  in.contexts.assign(4097, 4096);  // more sequences than a cache holds
+  CHECK(plan_memory(in, b) == status::invalid_argument);
+  CHECK_THAT(last_error(), Catch::Contains("at most 4096 sequences"));
   in.contexts = {4096};
   in.model.num_q_heads = 12;
   CHECK(plan_memory(in, b) == status::invalid_argument);

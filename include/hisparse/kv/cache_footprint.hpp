@@ -25,13 +25,16 @@
 
 namespace hisparse::kv {
 
+/// Sequence slots a cache holds at most.
+inline constexpr int kMaxSequences = 4096;
+
 struct paged_kv_cache_options {
   int num_layers = 1;
   int num_kv_heads = 8;
   int head_dim = 128;
   int fine_slice = 64;       ///< F: tokens per page and per slice summary
   int coarse_block = 1024;   ///< C: tokens per block summary; a multiple of F
-  int max_sequences = 8;     ///< sequence slots
+  int max_sequences = 8;     ///< sequence slots, at most kMaxSequences
   std::int64_t max_context = 262144;  ///< largest reservation of one sequence
   std::size_t chunk_bytes = std::size_t{1} << 20;  ///< page pool chunk size
   std::size_t max_pool_bytes = SIZE_MAX;           ///< cap on page memory

@@ -981,7 +981,8 @@ class paged_kv_cache {
     if (o.fine_slice < 1 || o.fine_slice > 1024) bad("fine_slice must be in [1, 1024]");
     if (o.coarse_block < o.fine_slice || o.coarse_block % o.fine_slice != 0)
       bad("coarse_block must be a multiple of fine_slice");
-    if (o.max_sequences < 1 || o.max_sequences > 4096) bad("max_sequences must be in [1, 4096]");
+    if (o.max_sequences < 1 || o.max_sequences > kMaxSequences)
+      bad("max_sequences must be in [1, " + std::to_string(kMaxSequences) + "]");
     if (o.max_context < 1 || o.max_context > kMaxContext) bad("max_context must be in [1, 2^30]");
     if (!is_valid(o.fine_summary))
       bad("fine_summary must be mean, mean_bf16 or key_bounds");

@@ -119,6 +119,9 @@ struct memory_budget {
   if (m.layers < 1 || m.num_kv_heads < 1 || m.num_q_heads < m.num_kv_heads || m.num_q_heads % m.num_kv_heads != 0)
     return bad("model shape (layers >= 1, num_q_heads a multiple of num_kv_heads)");
   if (in.contexts.empty()) return bad("no request");
+  if (in.contexts.size() > static_cast<std::size_t>(kv::kMaxSequences))
+    return bad(std::to_string(in.contexts.size()) + " requests; a cache holds at most " +
+               std::to_string(kv::kMaxSequences) + " sequences");
   if (in.elem_bytes != 1 && in.elem_bytes != 2 && in.elem_bytes != 4) return bad("elem_bytes must be 1, 2 or 4");
   HISPARSE_TRY(check(in.config));
   std::int64_t longest = 0;
