@@ -24,6 +24,14 @@ namespace {
 constexpr std::size_t kPage = 256 * 1024;
 std::size_t model_bytes(std::int64_t tokens) { return static_cast<std::size_t>((tokens + 63) / 64) * 28 * kPage; }
 
+/// A scheduler of the model's pages under a 100000-token budget.
+admission_scheduler model_scheduler(int max_bypass) {
+  admission_scheduler::options o;
+  o.budget_bytes = model_bytes(100000);
+  o.max_bypass = max_bypass;
+  return admission_scheduler(o, model_bytes);
+}
+
 serving_request request(std::int64_t id, std::int64_t prompt, std::int64_t max_new) {
   serving_request r;
   r.id = id;
@@ -117,10 +125,7 @@ TEST_CASE("the scheduler rejects what can never fit and finishes early stops", "
 }
 
 TEST_CASE("a lowered budget hands back the waiting requests it can never hold", "[runtime][scheduler][errors]") {
-  admission_scheduler::options o;
-  o.budget_bytes = model_bytes(100000);
-  o.max_bypass = 1;
-  admission_scheduler s(o, model_bytes);
+  admission_scheduler s = model_scheduler(1);
   REQUIRE(s.submit(request(0, 50000, 10)) == status::success);
   REQUIRE(s.admit().size() == 1);
   REQUIRE(s.submit(request(1, 80000, 10)) == status::success);  // waits for 0; too large for 70000
@@ -146,10 +151,7 @@ TEST_CASE("a lowered budget hands back the waiting requests it can never hold", 
 }
 
 TEST_CASE("later requests pass the oldest at most max_bypass times", "[runtime][scheduler]") {
-  admission_scheduler::options o;
-  o.budget_bytes = model_bytes(100000);
-  o.max_bypass = 3;
-  admission_scheduler s(o, model_bytes);
+  admission_scheduler s = model_scheduler(3);
   REQUIRE(s.submit(request(0, 50000, 10)) == status::success);
   REQUIRE(s.admit().size() == 1);
   REQUIRE(s.submit(request(1, 90000, 10)) == status::success);  // waits for 0
