@@ -62,12 +62,12 @@ namespace detail {
 
 inline constexpr int kGateThreads = tuning::kGateThreads;
 inline constexpr int kGateVec = 8;                            ///< columns a thread reads at once: 16 bytes of fp16
-inline constexpr int kGateTile = kGateThreads * kGateVec;     ///< columns a pass covers per step
+inline constexpr int kGateWarpTile = 32 * kGateVec;          ///< columns a warp covers per step
 inline constexpr int kGateSamplePerThread = tuning::kGateSamplePerThread;
 inline constexpr int kGateSample = kGateThreads * kGateSamplePerThread;  ///< sampled scores a row
 inline constexpr int kGateCandidates = tuning::kGateCandidates;
-inline constexpr int kGateStage = kGateTile * 3 / 2;  ///< words of a step's staged output: indices, then 16-bit values
 inline constexpr int kGateWarps = kGateThreads / 32;
+inline constexpr int kGateWarpCandidates = kGateCandidates / kGateWarps;  ///< a warp's room for candidates
 inline constexpr int kGateBatch = tuning::kGateBatch;         ///< steps whose loads are in flight together
 inline constexpr float kGateSampleSigmas = 4.0f;              ///< the bracket's margin, in standard deviations
 
@@ -93,6 +93,7 @@ struct gate_row {
   const T* a;
   const G* gate;
   int n;
+  int seg;            ///< columns a warp covers, [warp seg, (warp + 1) seg): whole warp steps
   bool a_vec, g_vec;  ///< 16-byte aligned: whole steps load as vectors
 
   /// Columns first .. first + 7 of A (0 past n).
@@ -156,22 +157,28 @@ struct gate_row {
     return first + kGateVec <= n ? (1u << kGateVec) - 1u : first >= n ? 0u : (1u << (n - first)) - 1u;
   }
 
-  /// f(first, raw) for each of this thread's steps in column order, the
-  /// loads of kGateBatch steps issued before any is used. Every thread
-  /// makes the same calls (f may hold barriers); a step wholly past n is
-  /// skipped by all.
+  /// f(first, raw) for each of this thread's steps in column order, its
+  /// warp's segment a step of 32 x kGateVec columns at a time, the loads of
+  /// kGateBatch steps issued before any is used. Every lane of a warp makes
+  /// the same calls (f may hold warp collectives, not barriers); a step
+  /// wholly past n is skipped by the warp.
   template <class F>
   __device__ __forceinline__ void for_each_step(F&& f) const {
-    for (int base = 0; base < n; base += kGateTile * kGateBatch) {
+    const int start = static_cast<int>(threadIdx.x >> 5) * seg;
+    const int lane_col = static_cast<int>(threadIdx.x & 31) * kGateVec;
+    const int end = min(n, start + seg);
+    for (int base = start; base < end; base += kGateWarpTile * kGateBatch) {
       uint4 raw[kGateBatch];
 #pragma unroll
       for (int b = 0; b < kGateBatch; ++b) {
-        const int first = base + b * kGateTile + static_cast<int>(threadIdx.x) * kGateVec;
-        raw[b] = first < n ? load(first) : make_uint4(0, 0, 0, 0);
+        const int first = base + b * kGateWarpTile + lane_col;
+        raw[b] = first < end ? load(first) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
-      for (int b = 0; b < kGateBatch; ++b)
-        if (base + b * kGateTile < n) f(base + b * kGateTile + static_cast<int>(threadIdx.x) * kGateVec, raw[b]);
+      for (int b = 0; b < kGateBatch; ++b) {
+        const int step = base + b * kGateWarpTile;
+        if (step < end) f(step + lane_col, raw[b]);
+      }
     }
   }
 };
@@ -199,15 +206,16 @@ struct gate_block_sum {
   }
 };
 
-static_assert(2 * kGateStage <= kGateCandidates, "the emission stages two steps in the candidates' room");
-static_assert(sizeof(__half) == 2 && sizeof(__nv_bfloat16) == 2, "values are staged as 16-bit words");
+static_assert(2 * kGateWarpTile <= kGateWarpCandidates, "a warp stages a step's (index, values) pairs in its room");
+static_assert(sizeof(__half) == 2 && sizeof(__nv_bfloat16) == 2, "values leave as 16-bit words");
 
 struct gate_shared {
   int sums[2][kGateWarps];
-  unsigned fill;
-  int hist[2][256];  ///< radix_kth's digit counts, used in turn (the idle one is kept zero)
-  int found[2];      ///< radix_kth: the digit, and the rank left inside it
-  std::uint32_t candidates[kGateCandidates];
+  unsigned fill[kGateWarps];  ///< candidates each warp found (its room holds kGateWarpCandidates)
+  int kept[2][kGateWarps];    ///< columns above t and ties at t, each warp's segment
+  int hist[2][256];           ///< radix_kth's digit counts, used in turn (the idle one is kept zero)
+  int found[2];               ///< radix_kth: the digit, and the rank left inside it
+  alignas(16) std::uint32_t candidates[kGateCandidates];  ///< a room a warp; then its staged output
 };
 
 /// Radix select with 8-bit digits: the k-th largest (1 <= k <= their
@@ -279,10 +287,14 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
   const int row = blockIdx.x;
   const int tid = threadIdx.x;
   const T* a_row = a + static_cast<std::int64_t>(row) * row_stride;
-  const gate_row<T, G> src{a_row, gate, n, (reinterpret_cast<std::uintptr_t>(a_row) & 15u) == 0,
+  const int lane = tid & 31, warp = tid >> 5;
+  // Each warp a contiguous segment of whole warp steps, so a column's
+  // output slot is its warp's offset plus a warp-local count.
+  const int seg = (n + kGateWarps * kGateWarpTile - 1) / (kGateWarps * kGateWarpTile) * kGateWarpTile;
+  const gate_row<T, G> src{a_row, gate, n, seg, (reinterpret_cast<std::uintptr_t>(a_row) & 15u) == 0,
                            (reinterpret_cast<std::uintptr_t>(gate) & 15u) == 0};
   gate_block_sum block_sum{sm.sums};
-  if (tid == 0) sm.fill = 0;
+  if (tid < kGateWarps) sm.fill[tid] = 0;
   for (int i = tid; i < 2 * 256; i += kGateThreads) sm.hist[i / 256][i % 256] = 0;
   int cur = 0;  // radix_kth's histogram in use
   __syncthreads();
@@ -308,6 +320,9 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
   // first `need` ties.
   int k;
   bool rank;
+  // Each warp's columns above t and ties at t (sm.kept) are known where the
+  // ranking leaves them so (`counted`); else the emission counts them first.
+  bool counted = false;
   std::uint32_t t = 0;  // top_k with K = n: every word is at least 0 (NaN's)
   int need = n;
   if (rule == gating_rule::threshold) {
@@ -380,35 +395,45 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
       in_bits &= valid;
       if (in_bits != 0) {
         const unsigned count = static_cast<unsigned>(__popc(in_bits));
-        unsigned slot = atomicAdd(&sm.fill, count);
+        unsigned slot = atomicAdd(&sm.fill[warp], count);
+        std::uint32_t* room = sm.candidates + warp * kGateWarpCandidates;
         // A candidate of a positive bracket is a positive number, kept as
         // its float bits (its ordered word less the top bit).
         auto word = [&](int j) { return positive ? __float_as_uint(sc[j]) : x[j]; };
-        if (slot + count <= kGateCandidates) {  // the buffer's bound tested once, not per store
+        if (slot + count <= kGateWarpCandidates) {  // the room's bound tested once, not per store
 #pragma unroll
           for (int j = 0; j < kGateVec; ++j)
-            if (in_bits >> j & 1u) sm.candidates[slot++] = word(j);
+            if (in_bits >> j & 1u) room[slot++] = word(j);
         } else {
 #pragma unroll
           for (int j = 0; j < kGateVec; ++j)
             if (in_bits >> j & 1u) {
-              if (slot < kGateCandidates) sm.candidates[slot] = word(j);
+              if (slot < kGateWarpCandidates) room[slot] = word(j);
               ++slot;
             }
         }
       }
     });
+    const int warp_above_hi = __reduce_add_sync(kFullMask, mine);
     const int above = block_sum(mine);  // columns above hi; the barrier also publishes the candidates
-    const int held = static_cast<int>(sm.fill);
+    int held = 0;
+    bool spilled = false;  // a warp found more than its room holds
+#pragma unroll
+    for (int w = 0; w < kGateWarps; ++w) {
+      held += static_cast<int>(sm.fill[w]);
+      spilled |= sm.fill[w] > kGateWarpCandidates;
+    }
     if (above < k && k <= above + held) {
       const int top = lo == hi ? -1 : 31 - __clz(lo ^ hi);
       if (top < 0) {
         t = lo;
         need = k - above;
-      } else if (held <= kGateCandidates) {
+      } else if (!spilled) {
+        const std::uint32_t* room = sm.candidates + warp * kGateWarpCandidates;
+        const int mine_held = static_cast<int>(sm.fill[warp]);
         const std::uint32_t top_bit = positive ? 0x80000000u : 0u;
         auto candidates = [&](auto&& f) {
-          for (int i = tid; i < held; i += kGateThreads) f(sm.candidates[i] | top_bit);
+          for (int i = lane; i < mine_held; i += 32) f(room[i] | top_bit);
         };
         t = radix_kth(sm, cur, k - above, lo, top, 0, candidates, need);
       } else {
@@ -420,6 +445,26 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
           });
         }, need);
       }
+      if (!spilled) {
+        // Every column above t is above hi or a candidate above t; every tie
+        // is a candidate: the warp's counts without another pass.
+        const std::uint32_t* room = sm.candidates + warp * kGateWarpCandidates;
+        const int mine_held = static_cast<int>(sm.fill[warp]);
+        const std::uint32_t top_bit = positive ? 0x80000000u : 0u;
+        int a = 0, e = 0;
+        for (int i = lane; i < mine_held; i += 32) {
+          const std::uint32_t x = room[i] | top_bit;
+          a += x > t ? 1 : 0;
+          e += x == t ? 1 : 0;
+        }
+        a = __reduce_add_sync(kFullMask, a);
+        e = __reduce_add_sync(kFullMask, e);
+        if (lane == 0) {
+          sm.kept[0][warp] = warp_above_hi + a;
+          sm.kept[1][warp] = e;
+        }
+        counted = true;
+      }
     } else {
       // The bracket missed (sorted or periodic rows): search the row.
       t = radix_kth(sm, cur, k, 0u, 31, 0, row_words, need);
@@ -427,26 +472,24 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
   }
 
   // 3. Emit in index order: a column's slot is the columns kept before it
-  // (those above t, and the first `need` ties at t). Scores compare as
-  // floats, one IEEE setp (exact under -ftz too), not an
+  // (those above t, and the first `need` ties at t): its warp's offset (a
+  // scan of the warps' counts, one barrier) plus a warp-local scan a step.
+  // Scores compare as floats, one IEEE setp (exact under -ftz too), not an
   // ordered word's six: for the word t of a number, word(s) > t is s > t's
   // float and word(s) == t is s == it (-0 == +0, NaN neither); for t = 0
   // (NaN's word) a tie is a NaN and every number is above. A step's kept
-  // columns are staged in shared memory (the candidates are spent) and
+  // columns are staged in the warp's room (the candidates are spent) and
   // leave in coalesced runs.
   const std::int64_t out_row = static_cast<std::int64_t>(row) * k_max;
   if (k > 0) {
     const bool t_nan = t == 0;
     const float tf = t_nan ? 0.0f : from_ordered_bits(t);
-    int above_before = 0, ties_before = 0;  // over the steps already emitted
-    const int lane = tid & 31, warp = tid >> 5;
-    std::int32_t* idx_row = out_indices + out_row;
-    unsigned short* val_row = reinterpret_cast<unsigned short*>(out_values + out_row);
-    int buffer = 0;
-    src.for_each_step([&](int first, const uint4& raw) {
+    // This thread's columns above t and ties at t (bits j of the step).
+    auto classify = [&](int first, const uint4& raw, unsigned& above_bits, unsigned& tie_bits) {
       float sc[kGateVec];
       src.scores(raw, first, sc);
-      unsigned above_bits = 0, tie_bits = 0;
+      above_bits = 0;
+      tie_bits = 0;
       if (!t_nan) {  // uniform
         for_each_column([&](auto j) {
           constexpr unsigned J = decltype(j)::value;
@@ -463,7 +506,37 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
       const unsigned valid = src.valid_mask(first);
       above_bits &= valid;
       tie_bits &= valid;
-      // Exclusive block scan of (above, ties), packed (each <= 2048 a step).
+    };
+    if (!counted) {  // uniform: a pass that counts
+      int a = 0, e = 0;
+      src.for_each_step([&](int first, const uint4& raw) {
+        unsigned above_bits, tie_bits;
+        classify(first, raw, above_bits, tie_bits);
+        a += __popc(above_bits);
+        e += __popc(tie_bits);
+      });
+      a = __reduce_add_sync(kFullMask, a);
+      e = __reduce_add_sync(kFullMask, e);
+      if (lane == 0) {
+        sm.kept[0][warp] = a;
+        sm.kept[1][warp] = e;
+      }
+    }
+    __syncthreads();  // also: every warp is done with the candidates
+    int above_before = 0, ties_before = 0;  // in the warps before this one, then the steps already emitted
+#pragma unroll
+    for (int w = 0; w < kGateWarps; ++w)
+      if (w < warp) {
+        above_before += sm.kept[0][w];
+        ties_before += sm.kept[1][w];
+      }
+    std::int32_t* idx_row = out_indices + out_row;
+    unsigned short* val_row = reinterpret_cast<unsigned short*>(out_values + out_row);
+    uint2* stage = reinterpret_cast<uint2*>(sm.candidates + warp * kGateWarpCandidates);
+    src.for_each_step([&](int first, const uint4& raw) {
+      unsigned above_bits, tie_bits;
+      classify(first, raw, above_bits, tie_bits);
+      // Exclusive warp scan of (above, ties), packed (each <= 256 a step).
       const int packed = __popc(above_bits) | (__popc(tie_bits) << 16);
       int incl = packed;
 #pragma unroll
@@ -471,21 +544,10 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
         const int y = __shfl_up_sync(kFullMask, incl, d);
         if (lane >= d) incl += y;
       }
-      int* totals = sm.sums[block_sum.parity];
-      if (lane == 31) totals[warp] = incl;
-      __syncthreads();
-      int before = incl - packed, step = 0;
-#pragma unroll
-      for (int w = 0; w < kGateWarps; ++w) {
-        const int tw = totals[w];
-        before += w < warp ? tw : 0;
-        step += tw;
-      }
-      block_sum.parity ^= 1;
+      const int step = __shfl_sync(kFullMask, incl, 31);
+      const int before = incl - packed;
       const int step_base = above_before + min(ties_before, need);
       const int step_end = above_before + (step & 0xFFFF) + min(ties_before + (step >> 16), need);
-      std::uint32_t* stage_idx = sm.candidates + buffer * kGateStage;
-      auto* stage_val = reinterpret_cast<unsigned short*>(stage_idx + kGateTile);
       // The thread keeps its ties while fewer than `need` come before them,
       // then stores each kept column at the next slot: the slot of a column
       // is the columns above t before it plus min(ties before it, need).
@@ -501,17 +563,14 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
       const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
       for (int j = 0; j < kGateVec; ++j)
-        if (keep >> j & 1u) {
-          stage_idx[o] = static_cast<std::uint32_t>(first + j);
-          stage_val[o] = static_cast<unsigned short>(words[j / 2] >> (16 * (j % 2)));
-          ++o;
-        }
-      __syncthreads();
-      for (int i = tid; i < step_end - step_base; i += kGateThreads) {
-        idx_row[step_base + i] = static_cast<std::int32_t>(stage_idx[i]);
-        val_row[step_base + i] = stage_val[i];
+        if (keep >> j & 1u) stage[o++] = make_uint2(static_cast<unsigned>(first + j), words[j / 2]);
+      __syncwarp();
+      for (int i = lane; i < step_end - step_base; i += 32) {
+        const uint2 kept = stage[i];  // a column's index and the word holding its value (its parity picks the half)
+        idx_row[step_base + i] = static_cast<std::int32_t>(kept.x);
+        val_row[step_base + i] = static_cast<unsigned short>(kept.y >> (16 * (kept.x & 1u)));
       }
-      buffer ^= 1;  // the next step's scan barrier orders this copy before the buffer's reuse
+      __syncwarp();
       above_before += step & 0xFFFF;
       ties_before += step >> 16;
     });
