@@ -214,8 +214,50 @@ struct gate_shared {
   unsigned fill[kGateWarps];  ///< candidates each warp found (its room holds kGateWarpCandidates)
   int kept[2][kGateWarps];    ///< columns above t and ties at t, each warp's segment
   int hist[2][256];           ///< radix_kth's digit counts, used in turn (the idle one is kept zero)
-  int found[2];               ///< radix_kth: the digit, and the rank left inside it
+  int found[8];               ///< a radix round's results: (digit, rank left inside it) pairs
   alignas(16) std::uint32_t candidates[kGateCandidates];  ///< a room a warp; then its staged output
+};
+
+/// Warp 0's part of a radix round: lane l reads the counts of digits
+/// 255 - 8l down to 248 - 8l, and a scan over the lanes from the top digit
+/// down tells which digit holds the k-th word.
+struct digit_scan {
+  int c[8];
+  int before, incl;  ///< words in the digits above this lane's, and through its last
+
+  __device__ __forceinline__ explicit digit_scan(const int* hist) {
+    const int lane = threadIdx.x & 31;
+    int sum = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      c[j] = hist[255 - 8 * lane - j];
+      sum += c[j];
+    }
+    incl = sum;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int y = __shfl_up_sync(kFullMask, incl, d);
+      if (lane >= d) incl += y;
+    }
+    before = incl - sum;
+  }
+
+  /// The lane holding the k-th word writes (its digit, k less the words
+  /// in higher digits) to out.
+  __device__ __forceinline__ void find(int k, int* out) const {
+    if (before < k && k <= incl) {
+      int b = before;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (b + c[j] >= k) {
+          out[0] = 255 - 8 * static_cast<int>(threadIdx.x & 31) - j;
+          out[1] = k - b;
+          break;
+        }
+        b += c[j];
+      }
+    }
+  }
 };
 
 /// Radix select with 8-bit digits: the k-th largest (1 <= k <= their
@@ -240,33 +282,9 @@ __device__ __forceinline__ std::uint32_t radix_kth(gate_shared& sm, int& cur, in
     });
     __syncthreads();
     if (warp == 0) {
-      // Lane l holds digits 255 - 8l down to 248 - 8l: a scan over lanes
-      // from the top digit down finds the one holding the k-th word.
-      int c[8], sum = 0;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        c[j] = hist[255 - 8 * lane - j];
-        sum += c[j];
-        sm.hist[cur ^ 1][8 * lane + j] = 0;
-      }
-      int incl = sum;
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int y = __shfl_up_sync(kFullMask, incl, d);
-        if (lane >= d) incl += y;
-      }
-      int before = incl - sum;
-      if (before < k && k <= incl) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          if (before + c[j] >= k) {
-            sm.found[0] = 255 - 8 * lane - j;
-            sm.found[1] = k - before;
-            break;
-          }
-          before += c[j];
-        }
-      }
+      for (int j = 0; j < 8; ++j) sm.hist[cur ^ 1][8 * lane + j] = 0;
+      digit_scan(hist).find(k, sm.found);
     }
     __syncthreads();
     w |= static_cast<std::uint32_t>(sm.found[0]) << shift;
@@ -275,6 +293,50 @@ __device__ __forceinline__ std::uint32_t radix_kth(gate_shared& sm, int& cur, in
   }
   rest = k;
   return w;
+}
+
+/// radix_kth to bit 16 for two ranks at once: the rank_hi-th and rank_lo-th
+/// largest (each in [1, their number]) of the words for_each_key hands
+/// out, their low 16 bits zero. Each of the two digits is one pass that
+/// counts for both ranks (the second into two histograms where their top
+/// digits differ). Takes both histograms zero and leaves them so.
+template <class ForEachKey>
+__device__ __forceinline__ void radix_top16_pair(gate_shared& sm, int rank_hi, int rank_lo, ForEachKey&& for_each_key,
+                                                 std::uint32_t& hi, std::uint32_t& lo) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int* h0 = sm.hist[0];
+  int* h1 = sm.hist[1];
+  for_each_key([&](std::uint32_t x) { atomicAdd(&h0[x >> 24], 1); });
+  __syncthreads();
+  if (warp == 0) {
+    const digit_scan top(h0);
+    top.find(rank_hi, sm.found);
+    top.find(rank_lo, sm.found + 2);
+    __syncwarp();  // every lane has its counts before any is cleared
+#pragma unroll
+    for (int j = 0; j < 8; ++j) h0[8 * lane + j] = 0;
+  }
+  __syncthreads();
+  const int d_hi = sm.found[0], d_lo = sm.found[2];
+  for_each_key([&](std::uint32_t x) {
+    const int d = static_cast<int>(x >> 24), e = static_cast<int>(x >> 16) & 0xFF;
+    if (d == d_hi) atomicAdd(&h0[e], 1);
+    else if (d == d_lo) atomicAdd(&h1[e], 1);
+  });
+  __syncthreads();
+  if (warp == 0) {
+    digit_scan(h0).find(sm.found[1], sm.found + 4);
+    digit_scan(d_lo == d_hi ? h0 : h1).find(sm.found[3], sm.found + 6);
+    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      h0[8 * lane + j] = 0;
+      h1[8 * lane + j] = 0;
+    }
+  }
+  __syncthreads();
+  hi = static_cast<std::uint32_t>(d_hi) << 24 | static_cast<std::uint32_t>(sm.found[4]) << 16;
+  lo = static_cast<std::uint32_t>(d_lo) << 24 | static_cast<std::uint32_t>(sm.found[6]) << 16;
 }
 
 template <class T, class G>
@@ -359,9 +421,13 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
       const float margin = kGateSampleSigmas * sqrtf(static_cast<float>(kGateSample * q * (1.0 - q))) + 2.0f;
       const int rank_hi = static_cast<int>(floorf(center - margin));  // hi: the rank_hi-th largest sampled word
       const int rank_lo = static_cast<int>(ceilf(center + margin));   // lo: the rank_lo-th largest
-      int unused_rest;
-      if (rank_hi >= 1) hi = radix_kth(sm, cur, rank_hi, 0u, 31, 16, sample, unused_rest) | 0xFFFFu;
-      if (rank_lo <= kGateSample) lo = radix_kth(sm, cur, rank_lo, 0u, 31, 16, sample, unused_rest);
+      if (rank_hi >= 1 || rank_lo <= kGateSample) {
+        std::uint32_t w_hi, w_lo;  // a rank out of the sample is computed as the other, and dropped
+        radix_top16_pair(sm, rank_hi >= 1 ? rank_hi : rank_lo, rank_lo <= kGateSample ? rank_lo : rank_hi, sample,
+                         w_hi, w_lo);
+        if (rank_hi >= 1) hi = w_hi | 0xFFFFu;
+        if (rank_lo <= kGateSample) lo = w_lo;
+      }
     }
     // 2. Count above hi, keep the words inside [lo, hi]. Where the bracket
     // lies within the positive numbers (|a| g with a positive gate), floats
