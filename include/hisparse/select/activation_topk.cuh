@@ -207,6 +207,8 @@ struct gate_block_sum {
 };
 
 static_assert(2 * kGateWarpTile <= kGateWarpCandidates, "a warp stages a step's (index, values) pairs in its room");
+static_assert(kGateCandidates % kGateWarps == 0 && kGateWarpCandidates % 2 == 0,
+              "every warp's room starts 8-byte aligned, for its staged pairs");
 static_assert(sizeof(__half) == 2 && sizeof(__nv_bfloat16) == 2, "values leave as 16-bit words");
 
 struct gate_shared {
