@@ -105,6 +105,14 @@ __device__ __forceinline__ void or_above_equal(float a, float t, unsigned& above
       : "f"(a), "f"(t), "n"(1u << Bit));
 }
 
+/// Bit `Bit` of `bits` set where a >= t (a NaN sets none).
+template <unsigned Bit>
+__device__ __forceinline__ void or_at_least(float a, float t, unsigned& bits) {
+  asm("{\n .reg .pred p;\n setp.ge.f32 p, %1, %2;\n @p or.b32 %0, %0, %3;\n}\n"
+      : "+r"(bits)
+      : "f"(a), "f"(t), "n"(1u << Bit));
+}
+
 /// Two 32-bit words to a shared-memory address in one store.
 __device__ __forceinline__ void st_shared_v2(unsigned addr, unsigned a, unsigned b) {
   asm("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(addr), "r"(a), "r"(b) : "memory");

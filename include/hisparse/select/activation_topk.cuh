@@ -12,16 +12,19 @@
 //     of the sample's words at the ranks K 1024 / n -+ four standard
 //     deviations of that count, widened to whole 16-bit prefixes, are
 //     [lo, hi] (radix select with 8-bit digits, two digits a rank);
-//  2. one pass counts the scores above hi and compacts the words inside
-//     [lo, hi] into shared memory (~11% of the row at K = n / 4); the same
-//     radix select over those candidates, on the bits lo and hi differ in,
-//     finds the K-th largest word T and how many ties at T are kept. Where
-//     the bracket misses (sorted or periodic rows) or holds more than
-//     shared memory does (ties), the search reads the row instead: slower,
-//     same answer;
+//  2. one pass, each warp over its own contiguous segment of the row,
+//     counts the scores above hi and compacts the words inside [lo, hi]
+//     into the warp's room of shared memory (~11% of the row at K = n / 4);
+//     the same radix select over those candidates, on the bits lo and hi
+//     differ in, finds the K-th largest word T and how many ties at T are
+//     kept. Where the bracket misses (sorted or periodic rows) or a warp
+//     finds more than its room holds (ties; sorted rows, whose bracket lies
+//     in one segment, past ~9K columns), the search reads the row instead:
+//     slower, same answer;
 //  3. one pass emits, in index order, every score above T and the first
-//     ties at T, each at the slot a block scan gives it, staged in shared
-//     memory so the outputs leave in coalesced runs.
+//     ties at T, each at its warp's offset (one scan of the warps' counts)
+//     plus a warp scan a step, staged in the warp's room so the outputs
+//     leave in coalesced runs.
 // Words are topk_keys.hpp's ordered_bits, so a comparison of two words
 // ranks two scores as the contract does.
 //
@@ -545,9 +548,11 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
   // Scores compare as floats, one IEEE setp (exact under -ftz too), not an
   // ordered word's six: for the word t of a number, word(s) > t is s > t's
   // float and word(s) == t is s == it (-0 == +0, NaN neither); for t = 0
-  // (NaN's word) a tie is a NaN and every number is above. A step's kept
-  // columns are staged in the warp's room (the candidates are spent) and
-  // leave in coalesced runs.
+  // (NaN's word) a tie is a NaN and every number is above. Where every tie
+  // is kept (rows without ties at the K-th: the common case) a column is
+  // kept iff s >= t, one compare and one scan a step. A step's kept columns
+  // are staged in the warp's room (the candidates are spent) and leave in
+  // coalesced runs.
   const std::int64_t out_row = static_cast<std::int64_t>(row) * k_max;
   if (k > 0) {
     const bool t_nan = t == 0;
@@ -592,56 +597,82 @@ __global__ void __launch_bounds__(kGateThreads, tuning::kGateMinBlocksPerSm)
     }
     __syncthreads();  // also: every warp is done with the candidates
     int above_before = 0, ties_before = 0;  // in the warps before this one, then the steps already emitted
+    int ties = 0;                           // in the row
 #pragma unroll
-    for (int w = 0; w < kGateWarps; ++w)
+    for (int w = 0; w < kGateWarps; ++w) {
       if (w < warp) {
         above_before += sm.kept[0][w];
         ties_before += sm.kept[1][w];
       }
+      ties += sm.kept[1][w];
+    }
     std::int32_t* idx_row = out_indices + out_row;
     unsigned short* val_row = reinterpret_cast<unsigned short*>(out_values + out_row);
     uint2* stage = reinterpret_cast<uint2*>(sm.candidates + warp * kGateWarpCandidates);
-    src.for_each_step([&](int first, const uint4& raw) {
-      unsigned above_bits, tie_bits;
-      classify(first, raw, above_bits, tie_bits);
-      // Exclusive warp scan of (above, ties), packed (each <= 256 a step).
-      const int packed = __popc(above_bits) | (__popc(tie_bits) << 16);
-      int incl = packed;
+    // A step's kept columns (bits j of `keep`, `count` of them) staged in
+    // the warp's room and stored from slot `base` on, in index order.
+    auto store_step = [&](int first, const uint4& raw, unsigned keep, int count, int& base) {
+      int incl = count;
 #pragma unroll
       for (int d = 1; d < 32; d <<= 1) {
         const int y = __shfl_up_sync(kFullMask, incl, d);
         if (lane >= d) incl += y;
       }
       const int step = __shfl_sync(kFullMask, incl, 31);
-      const int before = incl - packed;
-      const int step_base = above_before + min(ties_before, need);
-      const int step_end = above_before + (step & 0xFFFF) + min(ties_before + (step >> 16), need);
-      // The thread keeps its ties while fewer than `need` come before them,
-      // then stores each kept column at the next slot: the slot of a column
-      // is the columns above t before it plus min(ties before it, need).
-      const int tb = ties_before + (before >> 16);
-      const int tie_room = need - tb;
-      if (tie_room < __popc(tie_bits)) {  // rare: the last ties kept lie in this thread
-        unsigned kept_ties = 0;
-        for (int r = tie_room; r > 0; --r, tie_bits &= tie_bits - 1) kept_ties |= tie_bits & (0u - tie_bits);
-        tie_bits = kept_ties;
-      }
-      const unsigned keep = above_bits | tie_bits;
-      int o = above_before + (before & 0xFFFF) + min(tb, need) - step_base;
+      int o = incl - count;
       const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
       for (int j = 0; j < kGateVec; ++j)
         if (keep >> j & 1u) stage[o++] = make_uint2(static_cast<unsigned>(first + j), words[j / 2]);
       __syncwarp();
-      for (int i = lane; i < step_end - step_base; i += 32) {
+      for (int i = lane; i < step; i += 32) {
         const uint2 kept = stage[i];  // a column's index and the word holding its value (its parity picks the half)
-        idx_row[step_base + i] = static_cast<std::int32_t>(kept.x);
-        val_row[step_base + i] = static_cast<unsigned short>(kept.y >> (16 * (kept.x & 1u)));
+        idx_row[base + i] = static_cast<std::int32_t>(kept.x);
+        val_row[base + i] = static_cast<unsigned short>(kept.y >> (16 * (kept.x & 1u)));
       }
       __syncwarp();
-      above_before += step & 0xFFFF;
-      ties_before += step >> 16;
-    });
+      base += step;
+    };
+    if (need >= ties) {  // uniform, and the rule on random rows: every tie is kept, so a column is kept iff s >= t
+      int base = above_before + ties_before;
+      src.for_each_step([&](int first, const uint4& raw) {
+        unsigned keep = 0;
+        if (!t_nan) {  // uniform
+          float sc[kGateVec];
+          src.scores(raw, first, sc);
+          for_each_column([&](auto j) {
+            constexpr unsigned J = decltype(j)::value;
+            ptx::or_at_least<J>(sc[J], tf, keep);
+          });
+        } else {
+          keep = 0xFFu;  // numbers above t, NaNs its ties
+        }
+        keep &= src.valid_mask(first);
+        store_step(first, raw, keep, __popc(keep), base);
+      });
+    } else {  // the first `need` ties kept: a tie's slot counts the ties before it
+      int base = above_before + min(ties_before, need);
+      src.for_each_step([&](int first, const uint4& raw) {
+        unsigned above_bits, tie_bits;
+        classify(first, raw, above_bits, tie_bits);
+        const int e = __popc(tie_bits);
+        int incl = e;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+          const int y = __shfl_up_sync(kFullMask, incl, d);
+          if (lane >= d) incl += y;
+        }
+        const int tie_room = need - (ties_before + incl - e);
+        if (tie_room < e) {  // the last ties kept lie in this thread, or none of its ties is
+          unsigned kept_ties = 0;
+          for (int r = tie_room; r > 0; --r, tie_bits &= tie_bits - 1) kept_ties |= tie_bits & (0u - tie_bits);
+          tie_bits = kept_ties;
+        }
+        const unsigned keep = above_bits | tie_bits;
+        store_step(first, raw, keep, __popc(keep), base);
+        ties_before += __shfl_sync(kFullMask, incl, 31);
+      });
+    }
   }
   for (int s = k + tid; s < k_max; s += kGateThreads) {
     out_indices[out_row + s] = -1;
