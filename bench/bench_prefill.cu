@@ -81,6 +81,11 @@ void prefill(benchmark::State& state, std::int32_t context, variant v) {
   s.num_tiles = tiles;
   s.num_q_heads = kQHeads;
   s.set_cache(cache.ref());
+  // The fp16 plain pass, as hierarchical_prefill runs it.
+  const device_array<unsigned char> plain(select::prefill_plain_rows_bytes(cache.ref(), 1, context));
+  s.plain_rows = plain.ptr;
+  s.plain_segments = 1;
+  s.plain_positions = context;
   attention::prefill_attention_arguments<bf16> a;
   a.queries = d_q.ptr;
   a.segments = d_segs.ptr;

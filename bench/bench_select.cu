@@ -115,7 +115,9 @@ void decode_selection(benchmark::State& state, const SparseAttentionConfig& cfg,
 /// Prefill selection of a whole prompt of T tokens (every position a query,
 /// tiles of 64): one launch, CUDA events. `scoring`: 0 fp32 FMA on the CUDA
 /// cores, 1 every candidate in 3xTF32, 2 plain tf32 then 3xTF32 for the
-/// candidates its bound cannot settle (the default). `stages`: the candidate
+/// candidates its bound cannot settle, 3 the same with the plain pass in
+/// fp16 on the rows a pre-pass copies (the composed prefill's choice; the
+/// pre-pass is timed too). `stages`: the candidate
 /// ring's depth (1 leaves shared memory for a third CTA per SM on an H200).
 void BM_prefill_selection(benchmark::State& state) {
   const auto context = static_cast<std::int32_t>(state.range(0));
@@ -144,7 +146,14 @@ void BM_prefill_selection(benchmark::State& state) {
   a.num_q_heads = kQHeads;
   a.set_cache(cache.ref());
   a.use_tensor_cores = scoring != 0;
-  a.two_pass = scoring == 2;
+  a.two_pass = scoring >= 2;
+  // scoring 3: the plain pass in fp16 on its rows (made in the same launch sequence, timed with it).
+  const device_array<unsigned char> plain(scoring == 3 ? select::prefill_plain_rows_bytes(cache.ref(), 1, context) : 1);
+  if (scoring == 3) {
+    a.plain_rows = plain.ptr;
+    a.plain_segments = 1;
+    a.plain_positions = context;
+  }
   a.max_ring_stages = stages;
   const select::prefill_selection_output out{kept.ptr, num.ptr, window.ptr};
   cudaEvent_t start, stop;
@@ -207,7 +216,7 @@ void register_decode_selections(const bench::sweep& axes) {
 
 // Prefill selection: T:32768 and 262144, every scoring mode and ring depth.
 BENCHMARK(BM_prefill_selection)->ArgNames({"T", "scoring", "stages"})
-    ->ArgsProduct({{32768, 262144}, {2, 1, 0}, {1, 2}})
+    ->ArgsProduct({{32768, 262144}, {3, 2, 1, 0}, {1, 2}})
     ->UseManualTime()->Unit(benchmark::kMillisecond);
 
 int main(int argc, char** argv) {

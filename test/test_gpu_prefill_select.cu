@@ -37,18 +37,25 @@ struct prefill_run {
 };
 
 /// How a run scores: tensor cores (two passes or one) or fp32 CUDA cores,
-/// and the candidate ring's depth.
+/// the candidate ring's depth, and the plain pass's rows: fp16 copies for
+/// `plain_segments` segments ending by `plain_positions` (0: the longest
+/// sequence), or none (-1: the tf32 plain pass).
 struct scoring {
   bool tensor_cores = true;
   bool two_pass = true;
   int ring_stages = 2;
+  int plain_segments = -1;
+  std::int32_t plain_positions = 0;
 };
+constexpr scoring kFp16Plain{true, true, 1, 64};
 
-/// Every scoring mode: two passes (1-deep ring), one 3xTF32 pass, fp32 CUDA
-/// cores; and its name for a failure message.
-constexpr scoring kEveryScoring[] = {{true, true, 1}, {true, false, 2}, {false, false, 2}};
+/// Every scoring mode: two passes (fp16 or tf32 plain pass, 1-deep ring),
+/// one 3xTF32 pass, fp32 CUDA cores; and its name for a failure message.
+constexpr scoring kEveryScoring[] = {kFp16Plain, {true, true, 1}, {true, false, 2}, {false, false, 2}};
 const char* name_of(const scoring& how) {
-  return how.tensor_cores ? (how.two_pass ? "plain tf32 then 3xTF32" : "3xTF32") : "fp32 CUDA cores";
+  if (!how.tensor_cores) return "fp32 CUDA cores";
+  if (!how.two_pass) return "3xTF32";
+  return how.plain_segments > 0 ? "plain fp16 then 3xTF32" : "plain tf32 then 3xTF32";
 }
 
 /// Changes the queries of a run before they are uploaded: (queries, laid-out
@@ -104,6 +111,19 @@ prefill_run run_prefill(const test::problem<bf16>& p, const std::vector<std::int
   a.use_tensor_cores = how.tensor_cores;
   a.two_pass = how.two_pass;
   a.max_ring_stages = how.ring_stages;
+  // The plain rows, poisoned with finite fp16 values and scales (0x3C
+  // bytes): a row the pre-pass did not write would rank wrongly, not fall
+  // back.
+  const std::int32_t positions = how.plain_positions > 0 ? how.plain_positions : static_cast<std::int32_t>(longest);
+  const std::size_t plain_bytes =
+      how.plain_segments > 0 ? select::prefill_plain_rows_bytes(cache.ref(), how.plain_segments, positions) : 0;
+  dev<unsigned char> plain(plain_bytes);
+  HISPARSE_CUDA_CHECK(cudaMemset(plain.ptr, 0x3C, plain.n));
+  if (how.plain_segments > 0) {
+    a.plain_rows = plain.ptr;
+    a.plain_segments = how.plain_segments;
+    a.plain_positions = positions;
+  }
   REQUIRE(select::select_prefill_async(p.cfg, a,
                                        select::prefill_selection_output{kept.ptr, num.ptr, window.ptr, blocks.ptr}) ==
           status::success);
@@ -179,12 +199,15 @@ std::vector<std::vector<std::int32_t>> check_prefill(const test::problem<bf16>& 
 /// keeps: blocks, slices, counts and windows, bit for bit.
 void check_two_pass_equals_one_pass(const test::problem<bf16>& p, const std::vector<std::int32_t>& n,
                                     std::uint64_t seed) {
-  const prefill_run two = run_prefill(p, n, seed, {true, true, 1});
   const prefill_run one = run_prefill(p, n, seed, {true, false, 1});
-  REQUIRE(two.window == one.window);
-  REQUIRE(two.num == one.num);
-  REQUIRE(two.blocks == one.blocks);
-  REQUIRE(two.kept == one.kept);
+  for (const scoring how : {scoring{true, true, 1}, kFp16Plain}) {
+    INFO(name_of(how));
+    const prefill_run two = run_prefill(p, n, seed, how);
+    REQUIRE(two.window == one.window);
+    REQUIRE(two.num == one.num);
+    REQUIRE(two.blocks == one.blocks);
+    REQUIRE(two.kept == one.kept);
+  }
 }
 
 /// Keys whose slices repeat: slice s of every head holds the keys of slice
@@ -240,6 +263,16 @@ TEST_CASE("prefill selection matches the reference tile by tile", "[gpu][select]
     INFO("plain tf32 then 3xTF32 (two passes), a 1-deep candidate ring");
     check_prefill(p, {300, 200, 130}, seed + 1, {true, true, 1});
   }
+  {
+    INFO("plain fp16 then 3xTF32, 1- and 2-deep rings");
+    check_prefill(p, {300, 200, 130}, seed + 1, kFp16Plain);
+    check_prefill(p, {300, 200, 130}, seed + 1, {true, true, 2, 64});
+  }
+  {
+    INFO("plain rows for fewer segments, or ending before the longest: those take one exact pass");
+    check_prefill(p, {300, 200, 130}, seed + 1, {true, true, 1, 2});
+    check_prefill(p, {300, 200, 130}, seed + 1, {true, true, 1, 64, 6000});
+  }
 }
 
 TEST_CASE("prefill selection across GQA 1/4, head_dim 64/256, query tiles 16 and 64", "[gpu][select][prefill]") {
@@ -252,6 +285,7 @@ TEST_CASE("prefill selection across GQA 1/4, head_dim 64/256, query tiles 16 and
       INFO("group " << group << ", head_dim " << dim);
       const auto p = test::make_problem<bf16>({2 * group, 2, dim}, small, {33, 1000, 9001}, seed + group * dim);
       check_prefill(p, {33, 100, 77}, seed + 7, {true, true, 2});
+      check_prefill(p, {33, 100, 77}, seed + 7, {true, true, 2, 64});
       check_prefill(p, {33, 100, 77}, seed + 7, {false, false, 2});
     }
 }

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <cuda_fp16.h>
 #include <vector>
 
 #include "hisparse/runtime/hierarchical_prefill.cuh"
@@ -122,6 +123,31 @@ TEST_CASE("select_prefill_async rejects bad input before touching the device", "
           "top_k_coarse");
   rejects([](args& b, SparseAttentionConfig&, outs&) { b.num_q_heads = 12; }, status::invalid_argument,
           "num_q_heads");
+  // The fp16 plain pass's rows: 16-byte loads, a capacity to lay them out.
+  static unsigned char plain alignas(16)[32];
+  rejects([](args& b, SparseAttentionConfig&, outs&) { b.plain_rows = plain + 8; }, status::invalid_argument,
+          "plain_rows must be 16-byte aligned");
+  rejects(
+      [](args& b, SparseAttentionConfig&, outs&) {
+        b.plain_rows = plain;
+        b.plain_positions = 4096;
+      },
+      status::invalid_argument, "plain_rows needs plain_segments");
+  rejects(
+      [](args& b, SparseAttentionConfig&, outs&) {
+        b.plain_rows = plain;
+        b.plain_segments = 1;
+      },
+      status::invalid_argument, "plain_rows needs plain_segments");
+  rejects(
+      [](args& b, SparseAttentionConfig&, outs&) {
+        b.plain_rows = plain;
+        b.plain_segments = 1;
+        b.plain_positions = 4096 * 64 + 1;
+      },
+      status::invalid_argument, "plain_positions in [1, the cache's positions]");
+  CHECK(select::prefill_plain_rows_bytes(a, 3, 262144) == std::size_t{3} * 8 * (4096 + 256) * (128 + 8) * 2);
+  CHECK(select::prefill_plain_rows_bytes(a, 0, 262144) == 0);
   // A valid config the GPU prefill selection cannot run: said, not ignored.
   rejects([](args&, SparseAttentionConfig& c, outs&) { c.coarse_summary = coarse_summary::key_bounds; },
           status::unsupported, "coarse_summary key_bounds is not built on the GPU");
@@ -271,6 +297,160 @@ TEST_CASE("prefill two passes: the rule, and the bound against emulated tf32 pro
   CHECK(worst > 0.0);
 }
 
+/// x times 2^e rounded to fp16 and scaled back: what the fp16 plain pass
+/// multiplies (exact in fp32 for the ranges here).
+float to_fp16_scaled(float x, int e) {
+  return __half2float(__float2half_rn(std::ldexp(x, e))) * std::ldexp(1.0f, -e);
+}
+int largest_bits(const std::vector<float>& v) {
+  float top = 0;
+  for (const float x : v) top = std::max(top, std::abs(x));
+  std::uint32_t u;
+  std::memcpy(&u, &top, sizeof u);
+  return static_cast<int>(u);
+}
+
+TEST_CASE("the fp16 plain pass: its scales, and the bound against emulated fp16 products", "[select][prefill]") {
+  using select::detail::plain_f16_exponent;
+  auto bits = [](float x) {
+    std::uint32_t u;
+    std::memcpy(&u, &x, sizeof u);
+    return u;
+  };
+  // The largest element lands in [2^14, 2^15); zero, subnormal and
+  // non-finite rows get a finite scale.
+  for (const float x : {1.0f, 0.75f, 3.0e-30f, 6.5e4f, 1.0e30f, 1.0e-33f, 3.4e38f}) {
+    const float scaled = std::ldexp(x, plain_f16_exponent(bits(x)));
+    CHECK(scaled >= 16384.0f);
+    CHECK(scaled < 32768.0f);
+  }
+  // Below 2^-112 the scale stops at 2^126 (2^-126 lands on 1, under fp16's top).
+  CHECK(std::ldexp(1.17549435e-38f, plain_f16_exponent(bits(1.17549435e-38f))) == 1.0f);
+  CHECK(plain_f16_exponent(0) == 126);
+  CHECK(plain_f16_exponent(bits(1e-40f)) == 126);
+  CHECK(plain_f16_exponent(bits(INFINITY)) == -114);
+  CHECK(plain_f16_exponent(bits(NAN)) == -114);
+
+  // |plain fp16 score - exact| within half the bound, as for tf32: the
+  // queries scaled by their norm, the row by its largest element.
+  workload::splitmix64 rng(23);
+  double worst = 0;
+  for (int trial = 0; trial < 20000; ++trial) {
+    const int D = trial % 3 == 0 ? 64 : trial % 3 == 1 ? 128 : 256;
+    std::vector<float> q(D), c(D);
+    for (int d = 0; d < D; ++d) {
+      const double mag = std::ldexp(1.0 + rng.uniform(), static_cast<int>(rng.next() % 41) - 20);
+      q[d] = static_cast<float>(rng.next() & 1 ? mag : -mag);
+      c[d] = static_cast<float>(rng.normal() * std::ldexp(1.0, static_cast<int>(rng.next() % 9) - 4));
+    }
+    double exact = 0, q2 = 0, c2 = 0;
+    for (int d = 0; d < D; ++d) {
+      exact += static_cast<double>(q[d]) * c[d];
+      q2 += static_cast<double>(q[d]) * q[d];
+      c2 += static_cast<double>(c[d]) * c[d];
+    }
+    const int eq = plain_f16_exponent(bits(std::sqrt(static_cast<float>(q2))));
+    const int ec = plain_f16_exponent(static_cast<std::uint32_t>(largest_bits(c)));
+    const float delta = select::detail::bound_tf32_delta(static_cast<float>(q2), static_cast<float>(c2));
+    float forward = 0, backward = 0;
+    for (int d = 0; d < D; ++d) forward += to_fp16_scaled(q[d], eq) * to_fp16_scaled(c[d], ec);
+    for (int d = D - 1; d >= 0; --d) backward += to_fp16_scaled(q[d], eq) * to_fp16_scaled(c[d], ec);
+    for (const float plain : {forward, backward}) {
+      const double err = std::abs(plain - exact);
+      worst = std::max(worst, err / delta);
+      REQUIRE(err <= 0.5 * delta);
+    }
+  }
+  UNSCOPED_INFO("largest |plain fp16 - exact| / delta: " << worst);
+  CHECK(worst > 0.0);
+}
+
+/// The fp16 plain pass's operand layouts, emulated lane by lane through
+/// m16n8k16's fragment definition: query fragments (prefill_half_fragment_word)
+/// and row pieces must pair the same dims, and a stage's pieces must tile it.
+template <int D>
+void check_fp16_layouts() {
+  using select::detail::prefill_half_fragment_word;
+  using select::detail::plain_piece_offset;
+  constexpr int kQ = 64, kN = 64;
+  // Every (query, dim pair) has its own word, inside the queries' region.
+  std::vector<int> word_of(kQ * D / 2, -1);
+  for (int i = 0; i < kQ; ++i)
+    for (int d = 0; d < D; d += 2) {
+      const int w = prefill_half_fragment_word<D>(i, d);
+      REQUIRE(w >= 0);
+      REQUIRE(w < kQ * D / 2);
+      REQUIRE(word_of[static_cast<std::size_t>(w)] == -1);
+      word_of[static_cast<std::size_t>(w)] = i * D + d;
+    }
+  // Integer operands (exact): the emulated mma over the layouts equals the
+  // plain dot products.
+  std::vector<float> q(kQ * D), rows(kN * D);
+  for (std::size_t j = 0; j < q.size(); ++j) q[j] = static_cast<float>(static_cast<int>(j * 7 % 13) - 6);
+  for (std::size_t j = 0; j < rows.size(); ++j) rows[j] = static_cast<float>(static_cast<int>(j * 5 % 11) - 5);
+  auto half_of = [&](int word, int which) {  // the query element a word's half holds
+    const int at = word_of[static_cast<std::size_t>(word)];
+    return q[static_cast<std::size_t>(at + which)];
+  };
+  for (int qb = 0; qb < kQ / 16; ++qb)
+    for (int nb = 0; nb < kN / 8; ++nb) {
+      double acc[16][8] = {};
+      for (int s = 0; s < D / 16; ++s) {
+        float A[16][16], B[16][8];
+        for (int lane = 0; lane < 32; ++lane) {
+          const int g = lane / 4, q4 = lane % 4;
+          const int base = ((qb * (D / 16) + s) * 32 + lane) * 4;
+          for (int j = 0; j < 2; ++j) {
+            A[g][2 * q4 + j] = half_of(base + 0, j);
+            A[g + 8][2 * q4 + j] = half_of(base + 1, j);
+            A[g][2 * q4 + 8 + j] = half_of(base + 2, j);
+            A[g + 8][2 * q4 + 8 + j] = half_of(base + 3, j);
+          }
+          // Row n = 8nb + g, logical piece 4J + q4 (8 halves): words x, y
+          // for k-step 2J, z, w for 2J + 1.
+          const int J = s / 2, h = s % 2, n = 8 * nb + g;
+          const float* piece = rows.data() + static_cast<std::size_t>(n) * D + (4 * J + q4) * 8;
+          for (int j = 0; j < 2; ++j) {
+            B[2 * q4 + j][g] = piece[4 * h + j];
+            B[2 * q4 + 8 + j][g] = piece[4 * h + 2 + j];
+          }
+        }
+        for (int m = 0; m < 16; ++m)
+          for (int n = 0; n < 8; ++n)
+            for (int k = 0; k < 16; ++k) acc[m][n] += static_cast<double>(A[m][k]) * B[k][n];
+      }
+      for (int m = 0; m < 16; ++m)
+        for (int n = 0; n < 8; ++n) {
+          double dot = 0;
+          for (int d = 0; d < D; ++d)
+            dot += static_cast<double>(q[static_cast<std::size_t>((16 * qb + m) * D + d)]) *
+                   rows[static_cast<std::size_t>((8 * nb + n) * D + d)];
+          REQUIRE(acc[m][n] == dot);
+        }
+    }
+  // A stage: 64 rows of D halves, then the queries (64 D halves), then 64
+  // tails of 16 bytes; every piece once, 16-byte aligned, never the queries'.
+  const int stage = kN * (D + 4) * 4;
+  std::vector<char> used(static_cast<std::size_t>(stage), 0);
+  for (int c = 0; c < kN; ++c)
+    for (int piece = 0; piece <= D / 8; ++piece) {
+      const int at = plain_piece_offset<D>(c, piece);
+      REQUIRE(at % 16 == 0);
+      REQUIRE(at + 16 <= stage);
+      REQUIRE_FALSE((at >= kN * D * 2 && at < kN * D * 4));
+      for (int b = 0; b < 16; ++b) {
+        REQUIRE(used[static_cast<std::size_t>(at + b)] == 0);
+        used[static_cast<std::size_t>(at + b)] = 1;
+      }
+    }
+}
+
+TEST_CASE("the fp16 plain pass's fragment layouts pair the same dims", "[select][prefill]") {
+  check_fp16_layouts<64>();
+  check_fp16_layouts<128>();
+  check_fp16_layouts<256>();
+}
+
 TEST_CASE("the composed prefill checks, sizes and plans on the host", "[runtime][prefill][errors]") {
   using bf16 = __nv_bfloat16;
   // Shape-only arguments: checks and sizes never dereference these.
@@ -298,9 +478,21 @@ TEST_CASE("the composed prefill checks, sizes and plans on the host", "[runtime]
   REQUIRE(op.can_implement(a) == status::success);
   std::size_t bytes = 0;
   REQUIRE(op.workspace_bytes(a, bytes) == status::success);
-  // kept slices, counts, window starts: each part 256-byte aligned.
+  // kept slices, counts, window starts, and the plain pass's fp16 rows (one
+  // segment of the cache's 256K positions: 4096 slices and 256 blocks a KV
+  // head, D + 8 halves each): each part 256-byte aligned.
   auto aligned = [](std::size_t b) { return (b + 255) / 256 * 256; };
-  CHECK(bytes == aligned(4096 * 8 * 16 * 4) + aligned(4096 * 8 * 4) + aligned(4096 * 4));
+  CHECK(bytes == aligned(4096 * 8 * 16 * 4) + aligned(4096 * 8 * 4) + aligned(4096 * 4) +
+                     aligned((4096 + 256) * 8 * (128 + 8) * 2));
+  {  // rows for every segment, each of the cache's length (a later, longer chunk keeps them)
+    auto more_segments = a;
+    more_segments.num_segments = 3;
+    more_segments.max_end = 100000;
+    std::size_t b2 = 0;
+    REQUIRE(op.workspace_bytes(more_segments, b2) == status::success);
+    CHECK(b2 == aligned(4096 * 8 * 16 * 4) + aligned(4096 * 8 * 4) + aligned(4096 * 4) +
+                    aligned(std::size_t{3} * (4096 + 256) * 8 * (128 + 8) * 2));
+  }
   std::vector<char> ws(bytes);
   CHECK(op.plan(a, ws.data(), bytes - 1) == status::invalid_argument);
   CHECK(op.rebind(a) == status::invalid_argument);  // before plan

@@ -1,8 +1,9 @@
 #pragma once
 // The composed prefill step (DESIGN.md section 2) with the decode step's
 // protocol (can_implement, workspace_bytes, plan, rebind, run):
-//   launch 1: select::select_prefill_async (coarse + fine per query tile and
-//             KV head, one launch);
+//   launch 1: select::select_prefill_async (the fp16 copy of the summary
+//             rows its plain pass reads, then coarse + fine per query tile
+//             and KV head);
 //   launch 2: attention::prefill_attention_async over each tile's kept
 //             slices and its window, causal inside the tile.
 // `plan` is host work only (it carves the caller's workspace into the
@@ -17,6 +18,7 @@
 // tokens: the plan then runs the dense attention alone (the same result,
 // one launch fewer).
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -57,18 +59,19 @@ struct prefill_step_arguments {
   float softmax_scale = 0.0f;  ///< 0: 1 / sqrt(head_dim)
 };
 
-/// Shape-only arguments for `cache` and a call of `tiles` tiles: what checks
-/// and workspace sizes read, with placeholder pointers that are never
-/// dereferenced (hierarchical_attention.cuh has the decode one).
+/// Shape-only arguments for `cache` and a call of `tiles` tiles over at most
+/// `segments` sequences: what checks and workspace sizes read, with
+/// placeholder pointers that are never dereferenced (hierarchical_attention.cuh
+/// has the decode one).
 template <class T>
 [[nodiscard]] prefill_step_arguments<T> shape_only_prefill_arguments(const kv::paged_kv_ref<T>& cache, int tiles,
-                                                                     int num_q_heads) {
+                                                                     int num_q_heads, int segments = 1) {
   static const T placeholder alignas(16)[8]{};
   static const select::prefill_segment segment{};
   prefill_step_arguments<T> a;
   a.queries = placeholder;
   a.segments = &segment;
-  a.num_segments = 1;
+  a.num_segments = segments;
   a.num_tiles = tiles;
   a.num_q_heads = num_q_heads;
   a.cache = cache;
@@ -109,10 +112,15 @@ class hierarchical_prefill {
   }
 
   /// Workspace bytes for `a` (and any call of at most a.num_tiles tiles):
-  /// the kept slices, their counts and the window starts of every tile.
+  /// the kept slices, their counts and the window starts of every tile, and
+  /// the selection's fp16 plain rows for a.num_segments segments of the
+  /// cache's length (so a later, longer chunk keeps the fast plain pass). A
+  /// later call with more segments scores the ones past them in one exact
+  /// pass (the same kept sets, slower): plan for the most segments a call
+  /// carries.
   [[nodiscard]] status workspace_bytes(const arguments& a, std::size_t& bytes) const {
     HISPARSE_TRY(can_implement(a));
-    bytes = layout_for(a.num_tiles, a.cache.kv_heads).total;
+    bytes = layout_for(a.num_tiles, a.cache, a.num_segments, plain_positions(a)).total;
     return status::success;
   }
 
@@ -126,6 +134,8 @@ class hierarchical_prefill {
                                                 " bytes is smaller than the " + std::to_string(needed) + " required");
     workspace_ = workspace;
     planned_tiles_ = a.num_tiles;
+    planned_segments_ = a.num_segments;
+    planned_positions_ = plain_positions(a);
     planned_ = true;
     bind(a);
     return status::success;
@@ -161,6 +171,9 @@ class hierarchical_prefill {
     s.layer = args_.layer;
     s.num_q_heads = args_.num_q_heads;
     s.set_cache(args_.cache);
+    s.plain_rows = plain_;
+    s.plain_segments = planned_segments_;
+    s.plain_positions = planned_positions_;
     return select::select_prefill_async(cfg_, s, select::prefill_selection_output{kept_, num_, window_}, stream);
   }
   [[nodiscard]] status run_attention(cudaStream_t stream = nullptr) const {
@@ -177,11 +190,18 @@ class hierarchical_prefill {
   [[nodiscard]] const std::int32_t* window_begin() const { return window_; }
 
  private:
-  /// [kept slices | counts | window starts]
-  workspace_layout<3> layout_for(int tiles, int kv_heads) const {
-    const auto rows = static_cast<std::size_t>(tiles) * kv_heads;
-    return workspace_layout<3>::of({rows * cfg_.top_k_fine * sizeof(std::int32_t), rows * sizeof(std::int32_t),
-                                    static_cast<std::size_t>(tiles) * sizeof(std::int32_t)});
+  /// [kept slices | counts | window starts | the selection's plain rows]
+  workspace_layout<4> layout_for(int tiles, const kv::summary_layout& cache, int segments,
+                                 std::int32_t positions) const {
+    const auto rows = static_cast<std::size_t>(tiles) * cache.kv_heads;
+    return workspace_layout<4>::of({rows * cfg_.top_k_fine * sizeof(std::int32_t), rows * sizeof(std::int32_t),
+                                    static_cast<std::size_t>(tiles) * sizeof(std::int32_t),
+                                    select::prefill_plain_rows_bytes(cache, segments, positions)});
+  }
+  /// Positions the plain rows cover: the cache's, whatever this call's end.
+  static std::int32_t plain_positions(const arguments& a) {
+    const std::int64_t capacity = std::int64_t{a.cache.max_slices} * a.cache.fine_slice;
+    return static_cast<std::int32_t>(std::clamp<std::int64_t>(capacity, 1, kMaxContext));
   }
 
   /// The last tile's far region holds at most top_k_fine slices (every
@@ -194,11 +214,12 @@ class hierarchical_prefill {
   }
 
   void bind(const arguments& a) {
-    const auto l = layout_for(planned_tiles_, a.cache.kv_heads);
+    const auto l = layout_for(planned_tiles_, a.cache, planned_segments_, planned_positions_);
     auto* base = static_cast<char*>(workspace_);
     kept_ = reinterpret_cast<std::int32_t*>(base + l.offset[0]);
     num_ = reinterpret_cast<std::int32_t*>(base + l.offset[1]);
     window_ = reinterpret_cast<std::int32_t*>(base + l.offset[2]);
+    plain_ = l.total > l.offset[3] ? base + l.offset[3] : nullptr;
     dense_ = dense_suffices(a);
     args_ = a;
   }
@@ -237,8 +258,11 @@ class hierarchical_prefill {
   std::int32_t* kept_ = nullptr;
   std::int32_t* num_ = nullptr;
   std::int32_t* window_ = nullptr;
+  void* plain_ = nullptr;
   void* workspace_ = nullptr;
   int planned_tiles_ = 0;
+  int planned_segments_ = 0;
+  std::int32_t planned_positions_ = 0;
   bool dense_ = false;
   bool planned_ = false;
 };

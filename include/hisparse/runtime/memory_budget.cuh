@@ -196,7 +196,7 @@ struct memory_budget {
     // one tile more per sequence.
     const int tiles = (in.prefill_tokens + in.config.query_tile - 1) / in.config.query_tile + batch;
     HISPARSE_TRY(hierarchical_prefill<__nv_bfloat16>(in.config).workspace_bytes(
-        shape_only_prefill_arguments(cache, tiles, m.num_q_heads), b.prefill_workspace));
+        shape_only_prefill_arguments(cache, tiles, m.num_q_heads, batch), b.prefill_workspace));
   }
   out = b;
   return status::success;

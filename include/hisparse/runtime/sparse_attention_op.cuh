@@ -205,7 +205,7 @@ class sparse_attention_op {
     return shape_only_decode_arguments(in.cache, batch, in.num_q_heads);
   }
   static prefill_step_arguments<T> prefill_probe_arguments(const init_arguments& in, int tiles) {
-    return shape_only_prefill_arguments(in.cache, tiles, in.num_q_heads);
+    return shape_only_prefill_arguments(in.cache, tiles, in.num_q_heads, in.max_batch);
   }
 
   std::map<preset_id, hierarchical_decode<T, Tile>> ops_;

@@ -6,18 +6,25 @@
 // A tile's score of a candidate is the max over its queries of (the group's
 // summed query) . (the candidate's mean key): a small GEMM, M queries by 64
 // candidates at a time, then the max over the queries. By default on the
-// tensor cores in two passes: every candidate in plain tf32 (one mma per 8
-// dims, operands as loaded), with a proven bound on its distance from the
-// split-tf32 (3xTF32, ~fp32) score; then only the candidates the bound
-// cannot rule out of the top k (k + ~10 on random rows) in 3xTF32, ranked
-// among themselves. The kept sets are exactly those of scoring every
-// candidate in 3xTF32 (`two_pass = false`; the contract's scores are
-// fp32-grade). `use_tensor_cores = false` runs fp32 FMA on the CUDA cores
-// (4 x 4 outputs per thread). Candidates sit row by row in shared memory
-// (D + 4 floats a row), arriving by cp.async (4 threads a row); the queries
-// row by row too (CUDA cores) or in mma fragment order (tensor cores). With
-// `max_ring_stages = 2` the next round streams in while this one is scored
-// (tuning.hpp: why one stage is the default).
+// tensor cores in two passes: every candidate in a cheap plain pass with a
+// proven bound on its distance from the split-tf32 (3xTF32, ~fp32) score;
+// then only the candidates the bound cannot rule out of the top k (k + ~10
+// on random rows) in 3xTF32, ranked among themselves. The kept sets are
+// exactly those of scoring every candidate in 3xTF32 (`two_pass = false`;
+// the contract's scores are fp32-grade). The plain pass runs in fp16
+// (m16n8k16, half the operand bytes and instructions of tf32) where the
+// caller gives it `plain_rows`: a pre-pass copies each summary row the
+// selection may read to fp16, scaled by a power of 2 so its largest element
+// sits in [2^14, 2^15) (11 significant bits, as tf32 has; the scale undone
+// exactly), with its fp32 norm; the tile's queries get one such scale.
+// Without them the plain pass is tf32 on the fp32 rows as they are.
+// `use_tensor_cores = false` runs fp32 FMA on the CUDA cores (4 x 4
+// outputs per thread). Candidates sit row by row in shared memory (D + 4
+// floats a row, or D halves with 16-byte pieces swizzled), arriving by
+// cp.async (4 threads a row); the queries row by row too (CUDA cores) or in
+// mma fragment order (tensor cores). With `max_ring_stages = 2` the next
+// round streams in while this one is scored (tuning.hpp: why one stage is
+// the default).
 // Ranking and compaction are the decode selection's (mark_top_k,
 // compact_marked): ties to the lower index, kept slices ascending, padded
 // with -1.
@@ -26,12 +33,15 @@
 // (tile, KV head) CTAs; 163 G multiply-adds (the fine stage's 64 queries x
 // 512 slices dominates): 0.66 ms in plain tf32 at the H200's full dense
 // tf32 rate (495 TFLOPS, which mma.sync does not reach), 2.0 ms if all were
-// 3xTF32; the candidate rows come from L2, 10.5 GB. Measured: PERF_NOTES.
+// 3xTF32; the candidate rows come from L2, 10.5 GB in fp32 (half that in
+// fp16). Measured: PERF_NOTES.
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include <cuda_runtime_api.h>
 
@@ -42,6 +52,7 @@
 #include "hisparse/core/status.hpp"
 #include "hisparse/core/ptx.cuh"
 #include "hisparse/core/gpu_limits.hpp"
+#include "hisparse/kv/paged_kv_ref.hpp"
 #include "hisparse/select/decode_selection.cuh"
 #include "hisparse/tuning.hpp"
 
@@ -96,6 +107,29 @@ struct prefill_segment {
   return status::success;
 }
 
+/// The fp16 plain pass's copy of a summary row: head_dim fp16 values, each
+/// the fp32 sum times 2^e, then the fp32 2^-e and the fp32 row's squared
+/// norm, padded to 16 bytes.
+HISPARSE_HOST_DEVICE constexpr int prefill_plain_row_bytes(int head_dim) { return (head_dim + 8) * 2; }
+/// The plain rows of one (segment, KV head) covering `positions`: the
+/// slices' rows, then the blocks'.
+HISPARSE_HOST_DEVICE constexpr std::int64_t prefill_plain_slices(std::int64_t positions, int fine_slice) {
+  return (positions + fine_slice - 1) / fine_slice;
+}
+HISPARSE_HOST_DEVICE constexpr std::int64_t prefill_plain_blocks(std::int64_t positions, int coarse_block) {
+  return (positions + coarse_block - 1) / coarse_block;
+}
+/// Bytes of prefill_selection_arguments::plain_rows for `segments` segments
+/// that end at most `positions` into their sequences, on `cache`'s layout.
+[[nodiscard]] inline std::size_t prefill_plain_rows_bytes(const kv::summary_layout& cache, int segments,
+                                                          std::int64_t positions) {
+  if (segments < 1 || positions < 1 || cache.fine_slice < 1 || cache.coarse_block < 1) return 0;
+  const std::int64_t rows = prefill_plain_slices(positions, cache.fine_slice) +
+                            prefill_plain_blocks(positions, cache.coarse_block);
+  return static_cast<std::size_t>(rows) * static_cast<std::size_t>(segments) *
+         static_cast<std::size_t>(cache.kv_heads) * static_cast<std::size_t>(prefill_plain_row_bytes(cache.head_dim));
+}
+
 /// Everything a prefill selection reads. `segments` lives on the device (its
 /// tile offsets counted by the host with prefill_tiles); `num_tiles` is their
 /// total, the launch's grid.
@@ -120,6 +154,15 @@ struct prefill_selection_arguments : kv::summary_ref {  // (the cache's lengths 
   /// two on random, tied and near-tied inputs); false: every candidate in
   /// 3xTF32, as before.
   bool two_pass = true;
+  /// Optional, for the two passes: device memory of
+  /// prefill_plain_rows_bytes(cache, plain_segments, plain_positions) bytes,
+  /// 16-byte aligned, where the launch copies the summary rows its segments
+  /// read to fp16 for the plain pass. Null: the plain pass is tf32. A
+  /// segment past plain_segments or ending past plain_positions is scored
+  /// in one exact pass (the same kept sets, slower).
+  void* plain_rows = nullptr;
+  int plain_segments = 0;
+  std::int32_t plain_positions = 0;
   /// Deepest candidate ring to use (1 or 2; the plan takes less where shared
   /// memory is short; tuning.hpp has why 1). An RTX 4090 fits one stage only.
   int max_ring_stages = tuning::kPrefillRingStages;
@@ -165,11 +208,13 @@ struct prefill_params {
   prefill_selection_output out;
   int window, top_k_coarse, top_k_fine, query_tile;
   selection_smem smem;  ///< ranking storage (decode's layout; its keys lie on the ring)
-  int partial_offset;   ///< float[D]: the partial coarse block's summed far slices
+  int partial_offset;   ///< float[D]: the partial coarse block's summed far slices, then its plain row
   int red_offset;       ///< float[prefill_groups][64]: partial maxima per candidate
   int q_offset;         ///< float[64][D + 4]: the tile's group-summed queries
   int ring_offset;      ///< stages x float[64][D + 4]: candidate rows of a round
   int stages;           ///< 1 or 2
+  std::int64_t plain_slices;  ///< plain rows of a (segment, KV head): its slices' first
+  std::int64_t plain_stride;  ///< and its blocks' (prefill_plain_slices + prefill_plain_blocks)
 };
 
 /// CTAs per SM the prefill kernel is compiled for (its register bound;
@@ -187,6 +232,86 @@ using ptx::mma_tf32;  // d += a b, one m16n8k8 tf32 tile
 /// tf32_cut(x) is exact in fp32, so x = hi + lo splits without rounding.
 __device__ __forceinline__ unsigned tf32_cut(float x) { return __float_as_uint(x) & 0xFFFFE000u; }
 
+/// The exponent e of the fp16 plain pass's scale 2^e for a row whose
+/// largest |element| has the fp32 bits `top`: that element lands in
+/// [2^14, 2^15) (fp16's largest finite value is 65504), clamped so 2^e and
+/// 2^-e are normal floats. A non-finite row gets a finite scale; its scores
+/// then fail the plain pass's finiteness checks.
+HISPARSE_HOST_DEVICE constexpr int plain_f16_exponent(unsigned top) {
+  const int e = 141 - static_cast<int>((top >> 23) & 0xFFu);  // top < 2^(biased exponent - 126)
+  return e < -126 ? -126 : (e > 126 ? 126 : e);
+}
+/// The same for a tile's queries, from their largest squared norm (float
+/// bits) rather than their largest element (which would cost the query
+/// build registers): |q| bounds every element, and the largest element
+/// keeps 11 significant bits down to 2^-29 |q|.
+__device__ __forceinline__ int plain_query_exponent(unsigned qnorm2) {
+  return plain_f16_exponent(__float_as_uint(sqrtf(__uint_as_float(qnorm2))));
+}
+/// 2^e for e in [-126, 127], exactly.
+__device__ __forceinline__ float pow2(int e) { return __int_as_float((127 + e) << 23); }
+
+/// One warp writes `row` (D fp32, global or shared) as a plain-pass row
+/// (prefill_plain_row_bytes) at `dst`.
+template <int D>
+__device__ void store_plain_row(const float* row, unsigned char* dst, int lane) {
+  constexpr int kPairs = D / 64;  // float2 pairs a lane
+  float2 v[kPairs];
+  unsigned top = 0;
+  float sq = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j) {
+    v[j] = reinterpret_cast<const float2*>(row)[lane + 32 * j];
+    top = max(top, max(__float_as_uint(fabsf(v[j].x)), __float_as_uint(fabsf(v[j].y))));
+    sq = fmaf(v[j].x, v[j].x, fmaf(v[j].y, v[j].y, sq));
+  }
+  top = __reduce_max_sync(0xFFFFFFFFu, top);  // as unsigned bits: NaN above inf
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) sq += __shfl_xor_sync(0xFFFFFFFFu, sq, off);
+  const int e = plain_f16_exponent(top);
+  const float up = pow2(e);
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j)
+    reinterpret_cast<unsigned*>(dst)[lane + 32 * j] = ptx::pack2<__half>(v[j].x * up, v[j].y * up);
+  if (lane == 0) *reinterpret_cast<float4*>(dst + 2 * D) = make_float4(pow2(-e), sq, 0.0f, 0.0f);
+}
+
+/// The pre-pass of the fp16 plain pass: what prefill_plain_rows_kernel reads.
+struct plain_rows_params {
+  kv::summary_ref cache;
+  const prefill_segment* segments = nullptr;
+  int layer = 0;
+  unsigned char* rows = nullptr;
+  std::int32_t positions = 0;        ///< segments ending later are left out
+  std::int32_t slices = 0, blocks = 0;  ///< rows of a (segment, KV head): the slices', then the blocks'
+};
+
+/// Grid: x = 8 rows, y = KV head, z = segment; a warp a row. Copies the
+/// rows of [0, end) a segment may read (every block and slice its tiles can
+/// rank) to fp16; rows past them are left as they are, never read.
+template <int D>
+__global__ void __launch_bounds__(kSelectThreads) prefill_plain_rows_kernel(const __grid_constant__ plain_rows_params p) {
+  const auto& c = p.cache;
+  const std::int64_t r = std::int64_t{blockIdx.x} * (kSelectThreads / 32) + threadIdx.x / 32;
+  const int h = static_cast<int>(blockIdx.y);
+  const prefill_segment seg = p.segments[blockIdx.z];
+  const std::int64_t end = std::int64_t{seg.q_begin} + seg.num_queries;
+  if (end > p.positions) return;  // the selection scores this segment in one exact pass
+  const std::int64_t sl = c.seq_layer(seg.slot, p.layer);
+  const float* src = nullptr;
+  if (r < p.slices) {
+    if (r < min(prefill_plain_slices(end, c.fine_slice), std::int64_t{c.max_slices}))
+      src = c.slice_sums + c.slice_row(sl, r, h);
+  } else if (r - p.slices < min(prefill_plain_blocks(end, c.coarse_block), std::int64_t{c.max_blocks})) {
+    src = c.block_sums + c.block_row(sl, r - p.slices, h);
+  }
+  if (src == nullptr) return;  // warp-uniform
+  store_plain_row<D>(src,
+                     p.rows + ((std::int64_t{blockIdx.z} * c.kv_heads + h) * (p.slices + p.blocks) + r) *
+                                  prefill_plain_row_bytes(D),
+                     static_cast<int>(threadIdx.x % 32));
+}
+
 /// The tensor-core kernels' k order: mma k-step s (8 dims) of 32-dim chunk
 /// J = s / 4, j = s % 4, gives lane quad q4 the dims 32 J + 8 q4 + 2 j and
 /// + 1 as its k = q4 and k = q4 + 4 (which dims play which k does not
@@ -201,6 +326,30 @@ template <int D>
 HISPARSE_HOST_DEVICE constexpr int prefill_fragment_offset(int i, int d) {
   const int dl = d % 32, s = d / 32 * 4 + dl % 8 / 2, lane = i % 8 * 4 + dl / 8;
   return ((i / 16 * (D / 8) + s) * 32 + lane) * 4 + dl % 2 * 2 + i % 16 / 8;
+}
+
+/// The fp16 plain pass's query fragments (m16n8k16): k-step s = 2J + h of
+/// 32-dim chunk J gives lane quad q4 the dims 32J + 8q4 + 4h + {0, 1} as
+/// k = 2q4, 2q4 + 1 and + {2, 3} as k = 2q4 + 8, 2q4 + 9, so a candidate
+/// row's 16-byte piece 4J + q4 holds a lane's B fragments of both k-steps.
+/// k-step s of query block qb is 32 lanes x 4 words, lane g * 4 + q4
+/// holding A[g][2q4..], A[g + 8][2q4..], A[g][2q4 + 8..], A[g + 8][2q4 + 8..]
+/// (pairs of halves). The word offset of query i, dims d and d + 1 (d even).
+template <int D>
+HISPARSE_HOST_DEVICE constexpr int prefill_half_fragment_word(int i, int d) {
+  const int dl = d % 32, s = d / 32 * 2 + dl % 8 / 4, lane = i % 8 * 4 + dl / 8;
+  return ((i / 16 * (D / 16) + s) * 32 + lane) * 4 + dl % 4 / 2 * 2 + i % 16 / 8;
+}
+
+/// Byte offset of candidate c's 16-byte piece `piece` in a ring stage of the
+/// fp16 plain pass: [64 rows of D halves | the queries' fragments | 64
+/// rows' 16-byte tails (scale, norm)], the stage's size in fp32 rows
+/// exactly. A row's pieces are swizzled by its parity (piece ^ 4): the 8
+/// lanes of a B-fragment load phase read rows g, g + 1, 64 bytes each, from
+/// the two halves of the banks.
+template <int D>
+HISPARSE_HOST_DEVICE constexpr int plain_piece_offset(int c, int piece) {
+  return piece < D / 8 ? c * D * 2 + (piece ^ (c & 1) * 4) * 16 : kPrefillCandidates * D * 4 + c * 16;
 }
 
 /// max over queries i < valid of qs[i] . row in fp32 FMA, NaN if any dot
@@ -224,20 +373,22 @@ __device__ __noinline__ float rescore_fp32(const float* qs, const float* row, in
 
 /// How score_candidates computes the products: fp32 FMA on the CUDA cores;
 /// split tf32 on the tensor cores (3xTF32, ~fp32 accuracy); or plain tf32
-/// (operands cut to 10 mantissa bits, error bounded by bound_tf32_delta),
-/// which also records the largest scaled candidate norm.
-enum class prefill_scoring { fma, split_tf32, plain_tf32 };
+/// (operands cut to 10 mantissa bits) or plain fp16 (power-of-2 scaled
+/// rows, rounded to 11 significant bits), both within bound_tf32_delta,
+/// which also record the largest scaled candidate norm.
+enum class prefill_scoring { fma, split_tf32, plain_tf32, plain_f16 };
 
 /// A 16-byte shared-memory load.
 __device__ __forceinline__ float4 lds4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 
 /// Scores `count` candidates against the tile's `valid` summed queries (qs,
 /// one row per query): scores[c] = scale_of(c) * max_i qs[i] . row(c), where
-/// row_of(c) is candidate c's D-float key sum: a global row, or `partial` (in
-/// shared memory, copied rather than streamed). Non-finite values score as
-/// the reference scores them, in every mode: NaN for a NaN product or
-/// infinite products of both signs, +-inf for infinite products of one
-/// sign; masked query rows never count.
+/// row_of(c) is candidate c's D-float key sum (plain_f16: its plain-pass
+/// row): a global row, or `partial` (in shared memory, copied rather than
+/// streamed). Non-finite values score as the reference scores them, in
+/// every exact mode: NaN for a NaN product or infinite products of both
+/// signs, +-inf for infinite products of one sign; masked query rows never
+/// count.
 ///
 /// Rounds of 64 candidates go through `stages` ring buffers: round r + 1 is
 /// in flight (cp.async, 4 threads a row, each 16-byte pieces q, q + 4, ...,
@@ -247,44 +398,75 @@ __device__ __forceinline__ float4 lds4(const float* p) { return *reinterpret_cas
 /// splits a = a_hi + a_lo (a b ~ a_hi b_hi + a_hi b_lo + a_lo b_hi);
 /// plain_tf32 feeds the fp32 bits as they are (the tensor core reads their
 /// tf32 part) and sets *cnorm to the largest (scale_of(c) |row(c)|)^2 (float
-/// bits, atomicMax). split_tf32 recomputes a NaN score in fp32 FMA (an
-/// infinite operand makes 3xTF32 NaN) unless `nan_query` says a valid query
-/// is NaN, which makes every score NaN anyway. fma: qs row-major, 4 x 4 per
-/// thread (queries tq + 16i, candidates tc + 16j).
+/// bits, atomicMax). plain_f16 first writes the queries times 2^e (e from
+/// *qnorm2, their largest |q|^2: plain_query_exponent) as fp16 fragments
+/// (prefill_half_fragment_word) into the ring, runs mma.m16n8k16,
+/// undoes both scales on the maxima, and takes |row(c)| from the row's
+/// tail. split_tf32 recomputes a NaN score in fp32 FMA (an infinite operand
+/// makes 3xTF32 NaN) unless `nan_query` says a valid query is NaN, which
+/// makes every score NaN anyway. fma: qs row-major, 4 x 4 per thread
+/// (queries tq + 16i, candidates tc + 16j).
 template <int D, prefill_scoring Mode, class RowOf, class ScaleOf>
 __device__ void score_candidates(int count, int valid, int stages, const float* qs, float* ring, float* red,
-                                 const float* partial, const float* any_row, float* scores, RowOf row_of,
-                                 ScaleOf scale_of, unsigned* cnorm = nullptr, bool nan_query = false) {
+                                 const void* partial, const void* any_row, float* scores, RowOf row_of,
+                                 ScaleOf scale_of, unsigned* cnorm = nullptr, bool nan_query = false,
+                                 const unsigned* qnorm2 = nullptr) {
   constexpr bool kTensorCores = Mode != prefill_scoring::fma;
+  constexpr bool kHalf = Mode == prefill_scoring::plain_f16;
   constexpr int kN = kPrefillCandidates, kR = prefill_row_floats(D);
   constexpr int kTileFloats = kN * kR;
   constexpr int kGroups = prefill_groups(kTensorCores);
   constexpr int kRowThreads = kSelectThreads / kN;  // 4 threads copy a row
+  constexpr int kPieces = kHalf ? D / 8 + 1 : D / 4;  // 16-byte pieces a row (fp16: and its tail)
   static_assert(D % 32 == 0 && kSelectThreads % kN == 0, "32-dim chunks; whole threads per row");
+  static_assert(kN * D * 4 + kN * 16 == kTileFloats * 4, "an fp16 stage (rows, queries, tails) fills an fp32 one");
   const int t = static_cast<int>(threadIdx.x);
   const int rounds = (count + kN - 1) / kN;
   auto issue = [&](int round) {
     if (round < rounds) {
       const int c = t / kRowThreads, cand = round * kN + c;
-      float* dst = ring + (stages == 2 ? round & 1 : 0) * kTileFloats + c * kR;
-      const float* src = cand < count ? row_of(cand) : nullptr;
+      const int stage = stages == 2 ? round & 1 : 0;
+      if constexpr (kHalf) {
+        char* base = reinterpret_cast<char*>(ring + stage * kTileFloats);
+        const auto* src = cand < count ? static_cast<const char*>(row_of(cand)) : nullptr;
 #pragma unroll 4
-      for (int piece = t % kRowThreads; piece < D / 4; piece += kRowThreads) {
-        if (src == partial)
-          *reinterpret_cast<float4*>(dst + piece * 4) = *reinterpret_cast<const float4*>(partial + piece * 4);
-        else  // past the candidates: zeros, nothing read
-          ptx::cp_async_16(ptx::smem_address(dst + piece * 4), src ? src + piece * 4 : any_row, src ? 16 : 0);
+        for (int piece = t % kRowThreads; piece < kPieces; piece += kRowThreads) {
+          char* dst = base + plain_piece_offset<D>(c, piece);
+          if (src == partial)
+            *reinterpret_cast<float4*>(dst) = *reinterpret_cast<const float4*>(src + piece * 16);
+          else  // past the candidates: zeros, nothing read
+            ptx::cp_async_16(ptx::smem_address(dst), src ? src + piece * 16 : any_row, src ? 16 : 0);
+        }
+      } else {
+        float* dst = ring + stage * kTileFloats + c * kR;
+        const float* src = cand < count ? row_of(cand) : nullptr;
+#pragma unroll 4
+        for (int piece = t % kRowThreads; piece < kPieces; piece += kRowThreads) {
+          if (src == partial)
+            *reinterpret_cast<float4*>(dst + piece * 4) = *reinterpret_cast<const float4*>(src + piece * 4);
+          else  // past the candidates: zeros, nothing read
+            ptx::cp_async_16(ptx::smem_address(dst + piece * 4), src ? src + piece * 4 : any_row, src ? 16 : 0);
+        }
       }
     }
     ptx::cp_async_commit();  // every thread, every round (empty groups too): uniform group counts
   };
   __syncthreads();  // the ring's last use (the ranking's keys, or the previous stage) is over
+  if constexpr (kHalf) {  // the queries' fp16 fragments, between stage 0's rows and tails
+    const float up = pow2(plain_query_exponent(*qnorm2));
+    auto* q16 = reinterpret_cast<unsigned*>(reinterpret_cast<char*>(ring) + kN * D * 2);
+    for (int w = t; w < kPrefillMaxQueries * D / 2; w += kSelectThreads) {
+      const int i = w / (D / 2), d = w % (D / 2) * 2;
+      q16[prefill_half_fragment_word<D>(i, d)] = ptx::pack2<__half>(qs[prefill_fragment_offset<D>(i, d)] * up,
+                                                                    qs[prefill_fragment_offset<D>(i, d + 1)] * up);
+    }
+  }
   if (stages == 2) issue(0);
   for (int r = 0; r < rounds; ++r) {
     issue(r + stages - 1);
     if (stages == 2) ptx::cp_async_wait<1>();
     else ptx::cp_async_wait<0>();
-    __syncthreads();  // round r's rows have landed, for every thread
+    __syncthreads();  // round r's rows have landed, for every thread (and the fp16 queries)
     const float* cs = ring + (stages == 2 ? r & 1 : 0) * kTileFloats;
     if constexpr (kTensorCores) {
       const int warp = t / 32, lane = t & 31, g = lane / 4, q4 = lane % 4;
@@ -292,7 +474,24 @@ __device__ void score_candidates(int count, int valid, int stages, const float* 
       const float* qf = qs + (qb * (D / 8) * 32 + lane) * 4;  // k-step s at qf + 128 s
       const float* cb = cs + (32 * ch + g) * kR + 8 * q4;     // k-steps 4J + 2h, + 1 at cb + 32 J + 4 h
       float acc[4][4] = {};
-      if constexpr (Mode == prefill_scoring::split_tf32) {
+      if constexpr (kHalf) {
+        // Candidate 32ch + 8nt + g (parity g's), piece 4J + q4: B for k-steps 2J, 2J + 1.
+        const auto* qh = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(ring) + kN * D * 2) +
+                         qb * (D / 16) * 32 + lane;  // k-step s at qh + 32 s
+        const char* rb = reinterpret_cast<const char*>(cs) + (32 * ch + g) * D * 2;
+        const int swz = (g & 1) * 4;
+#pragma unroll 2
+        for (int J = 0; J < D / 32; ++J) {
+          const uint4 a0 = qh[64 * J], a1 = qh[64 * J + 32];
+          const unsigned f0[4] = {a0.x, a0.y, a0.z, a0.w}, f1[4] = {a1.x, a1.y, a1.z, a1.w};
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            const uint4 b = *reinterpret_cast<const uint4*>(rb + nt * 8 * D * 2 + ((4 * J + q4) ^ swz) * 16);
+            ptx::mma_16816<__half>(acc[nt], f0, b.x, b.y, acc[nt]);
+            ptx::mma_16816<__half>(acc[nt], f1, b.z, b.w, acc[nt]);
+          }
+        }
+      } else if constexpr (Mode == prefill_scoring::split_tf32) {
         // The a_hi b_hi products and the two small ones in separate
         // accumulators: two independent mma chains per n-tile, not one of 3.
         float small[4][4] = {};
@@ -404,13 +603,25 @@ __device__ void score_candidates(int count, int valid, int stages, const float* 
         red[tq * kN + tc + 16 * j] = best;
       }
     }
+    float2 tail{};  // plain_f16: row t's 2^-e and |row|^2, read before the barrier frees the ring
+    if constexpr (kHalf)
+      if (t < kN)
+        tail = *reinterpret_cast<const float2*>(reinterpret_cast<const char*>(cs) + plain_piece_offset<D>(t, D / 8));
     __syncthreads();  // red is complete; this round's buffer is free for round r + stages
     if (t < kN) {  // warps 0 and 1, whole
       const int c = r * kN + t;
       float best = -__int_as_float(0x7f800000);
 #pragma unroll
       for (int g = 0; g < kGroups; ++g) best = max_nan(best, red[g * kN + t]);
-      if (c < count) scores[c] = best * scale_of(c);  // NaN stays NaN
+      if constexpr (kHalf) {
+        // The scales are powers of 2: undone exactly (NaN stays NaN).
+        const float scale = c < count ? scale_of(c) : 0.0f;
+        if (c < count) scores[c] = best * pow2(-plain_query_exponent(*qnorm2)) * tail.x * scale;
+        const unsigned top = __reduce_max_sync(0xFFFFFFFFu, __float_as_uint(tail.y * scale * scale));
+        if (t % 32 == 0) atomicMax(cnorm, top);
+      } else if (c < count) {
+        scores[c] = best * scale_of(c);  // NaN stays NaN
+      }
       if constexpr (Mode == prefill_scoring::split_tf32) {
         // 3xTF32 turns an infinite operand into NaN (inf - inf in its split,
         // 0 * inf in the cross products) where the contract's score is +-inf.
@@ -458,7 +669,15 @@ HISPARSE_HOST_DEVICE constexpr bool prefill_two_pass(int count, int k) {
 /// all of it with a factor ~2 to spare for the fp32 arithmetic of the bound.
 /// The second term covers flushed subnormals (operands, split parts and
 /// products: < 2^-126 each, at most 2^9 of them, times |q| or |c| <= their
-/// norms), which no relative bound does.
+/// norms), which no relative bound does. The fp16 plain pass stays inside
+/// it too: each operand is scaled by a power of 2 (exact) and rounded to 11
+/// significant bits (relative error <= 2^-11, half tf32's), and an fp16
+/// subnormal is off by < 2^-25 of the scaled unit, < 2^-39 of its row's
+/// largest element (of the largest |q| for the queries, scaled by it), so
+/// < 2^-35 |q| |c| over D <= 256 products. Where the scale stops at 2^126
+/// (rows below 2^-112) that error is < 2^-151 an element, and undoing the
+/// scales may round a score into fp32's subnormals (< 2^-149): both are
+/// inside the second term.
 HISPARSE_HOST_DEVICE inline float bound_tf32_delta(float qnorm2, float cnorm2) {
   const float q = std::sqrt(qnorm2), c = std::sqrt(cnorm2);
   return 0x1p-8f * q * c + 0x1p-110f * (q + c + 1.0f);
@@ -469,8 +688,8 @@ struct prefill_shared {
   int seg_index;
   unsigned qnorm2;  ///< largest |q|^2 of the tile's valid summed queries (float bits)
   unsigned cnorm2;  ///< the stage's largest (scale |row|)^2 (float bits)
-  unsigned kth;     ///< a plain-tf32 score k candidates reach (ordered_bits)
-  int bad;          ///< a plain-tf32 score was not a number or infinite
+  unsigned kth;     ///< a plain score k candidates reach (ordered_bits)
+  int bad;          ///< a plain score was not a number or infinite
   std::int32_t exact[kPrefillExactMax];  ///< candidates rescored in 3xTF32
 };
 
@@ -488,24 +707,33 @@ struct prefill_shared {
 /// what ranking every candidate would. A score that is not a finite number,
 /// a bound that is not finite, or a band of more than kPrefillExactMax
 /// candidates: every candidate in 3xTF32.
-template <int D, bool Wide, bool TensorCores, class RowOf, class ScaleOf, class Emit>
+///
+/// `Plain` is the kernel's plain pass (plain_tf32 or plain_f16, whose rows
+/// plain_of(c) gives, the partial block's at partial_plain), or fma: the
+/// CUDA cores, one pass.
+template <int D, bool Wide, prefill_scoring Plain, class RowOf, class ScaleOf, class PlainOf, class Emit>
 __device__ int filter_stage(int count, int k, bool two_pass, int valid, int stages, const float* qs, float* ring,
                             float* red, const float* partial, const float* any_row, float* scores,
                             unsigned char* keep, topk_key* keys, selection_temp<Wide>& temp, prefill_shared& sh,
-                            RowOf row_of, ScaleOf scale_of, Emit emit) {
+                            RowOf row_of, ScaleOf scale_of, const void* partial_plain, PlainOf plain_of, Emit emit) {
+  constexpr bool kTensorCores = Plain != prefill_scoring::fma;
   constexpr int kMaxCandidates = Wide ? kMaxSelectCandidates : kFilterMaxCandidates;
-  constexpr prefill_scoring kExact = TensorCores ? prefill_scoring::split_tf32 : prefill_scoring::fma;
+  constexpr prefill_scoring kExact = kTensorCores ? prefill_scoring::split_tf32 : prefill_scoring::fma;
   if (count == 0) return 0;  // uniform
   const int t = static_cast<int>(threadIdx.x);
   int n = count;
   const std::int32_t* list = nullptr;  // the exact candidates, or all of them
-  if (TensorCores && two_pass && prefill_two_pass(count, k)) {  // uniform
+  if (kTensorCores && two_pass && prefill_two_pass(count, k)) {  // uniform
     if (t == 0) {  // ordered before readers by score_candidates' first barrier
       sh.cnorm2 = 0;
       sh.bad = 0;
     }
-    score_candidates<D, prefill_scoring::plain_tf32>(count, valid, stages, qs, ring, red, partial, any_row, scores,
-                                                    row_of, scale_of, &sh.cnorm2);
+    if constexpr (Plain == prefill_scoring::plain_f16)
+      score_candidates<D, Plain>(count, valid, stages, qs, ring, red, partial_plain, any_row, scores, plain_of,
+                                 scale_of, &sh.cnorm2, false, &sh.qnorm2);
+    else if constexpr (kTensorCores)
+      score_candidates<D, Plain>(count, valid, stages, qs, ring, red, partial, any_row, scores, row_of, scale_of,
+                                 &sh.cnorm2);
     // s_k: the k-th largest of 2k group maxima (the groups partition the
     // candidates), a plain score at least k candidates reach. One pass and
     // a count over 2k maxima, not a ranking of every plain score.
@@ -533,15 +761,16 @@ __device__ int filter_stage(int count, int k, bool two_pass, int valid, int stag
   auto cand = [&](int e) { return list ? static_cast<int>(list[e]) : e; };
   score_candidates<D, kExact>(
       n, valid, stages, qs, ring, red, partial, any_row, scores, [&](int e) { return row_of(cand(e)); },
-      [&](int e) { return scale_of(cand(e)); }, nullptr, TensorCores && isnan(__uint_as_float(sh.qnorm2)));
+      [&](int e) { return scale_of(cand(e)); }, nullptr, kTensorCores && isnan(__uint_as_float(sh.qnorm2)));
   mark_top_k<Wide>(scores, n, k, keep, keys, temp);
   return compact_marked<kMaxCandidates>(keep, n, temp.scan, [&](int pos, int e) { emit(pos, cand(e)); });
 }
 
 /// Grid: x = KV head, y = tile (across all segments).
-template <class Q, int D, bool Wide, bool TensorCores>
-__global__ void __launch_bounds__(kSelectThreads, prefill_ctas_per_sm(D, TensorCores))
+template <class Q, int D, bool Wide, prefill_scoring Plain>
+__global__ void __launch_bounds__(kSelectThreads, prefill_ctas_per_sm(D, Plain != prefill_scoring::fma))
     prefill_selection_kernel(const __grid_constant__ prefill_params<Q> p) {
+  constexpr bool TensorCores = Plain != prefill_scoring::fma;
   __shared__ selection_temp<Wide> temp;
   __shared__ prefill_shared sh;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -617,13 +846,14 @@ __global__ void __launch_bounds__(kSelectThreads, prefill_ctas_per_sm(D, TensorC
       *reinterpret_cast<float4*>(qs + i * kR + d0) = make_float4(acc[0], acc[1], acc[2], acc[3]);
       *reinterpret_cast<float4*>(qs + i * kR + d0 + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
     }
-    if constexpr (TensorCores) {  // |q_i|^2 for the plain-tf32 bound: row i's D / 8 threads are adjacent lanes
+    if constexpr (TensorCores) {  // |q_i|^2 for the plain pass's bound: row i's D / 8 threads are adjacent lanes
       float sq = 0.0f;
 #pragma unroll
       for (int j = 0; j < 8; ++j) sq = fmaf(acc[j], acc[j], sq);
 #pragma unroll
       for (int off = 1; off < D / 8; off <<= 1) sq += __shfl_xor_sync(0xFFFFFFFFu, sq, off);
       qtop = max(qtop, __float_as_uint(sq));  // non-negative or NaN: as unsigned, NaN is largest
+
     }
   }
   if constexpr (TensorCores) {  // read after score_candidates' first barrier
@@ -635,24 +865,48 @@ __global__ void __launch_bounds__(kSelectThreads, prefill_ctas_per_sm(D, TensorC
   const std::int64_t head_stride = in.row_stride();
   const float* slice_base = in.slice_sums + in.slice_row(seq_layer, h);
   const float* block_base = in.block_sums + in.block_row(seq_layer, h);
+  // This (segment, KV head)'s fp16 plain rows (prefill_plain_rows_kernel):
+  // its slices', then its blocks', found again at each use from the
+  // launch's constants (registers are short). A segment the rows do not
+  // cover scores every candidate in one exact pass.
+  constexpr bool kHalf = Plain == prefill_scoring::plain_f16;
+  const bool half = kHalf && sh.seg_index < in.plain_segments &&
+                    std::int64_t{seg.q_begin} + seg.num_queries <= in.plain_positions;
+  const bool two_pass = in.two_pass && (half || !kHalf);
+  auto plain_row = [&](std::int64_t r) -> const void* {
+    return static_cast<const unsigned char*>(in.plain_rows) +
+           ((std::int64_t{sh.seg_index} * in.kv_heads + h) * p.plain_stride + r) * prefill_plain_row_bytes(D);
+  };
+  auto* partial_plain = reinterpret_cast<unsigned char*>(partial + D);
 
   // Step 4: blocks; the one holding ws (if partial) by its far slices' sums,
-  // added up here once (score_candidates starts with a barrier).
+  // added up here once (score_candidates starts with a barrier), and its
+  // plain row.
   const bool partial_last = std::int64_t{blocks} * C > ws;
-  if (partial_last)
+  if (partial_last) {
     for (int d = threadIdx.x; d < D; d += kSelectThreads) {
       float sum = 0.0f;
       for (std::int32_t sl = (blocks - 1) * spb; sl < far_slices; ++sl) sum += __ldg(slice_base + sl * head_stride + d);
       partial[d] = sum;
     }
+    if (kHalf && half) {  // uniform
+      __syncthreads();
+      if (threadIdx.x < 32) store_plain_row<D>(partial, partial_plain, static_cast<int>(threadIdx.x));
+    }
+  }
   std::int32_t* out_blocks = p.out.kept_blocks ? p.out.kept_blocks + at * p.top_k_coarse : nullptr;
-  const int kept = filter_stage<D, Wide, TensorCores>(
-      blocks, p.top_k_coarse, in.two_pass, valid, p.stages, qs, ring, red, partial, slice_base, coarse_scores, keep,
+  const int kept = filter_stage<D, Wide, Plain>(
+      blocks, p.top_k_coarse, two_pass, valid, p.stages, qs, ring, red, partial, slice_base, coarse_scores, keep,
       keys, temp, sh,
       [&](int r) -> const float* {
         return partial_last && r == blocks - 1 ? partial : block_base + r * head_stride;
       },
       [&](int r) { return 1.0f / static_cast<float>(partial_last && r == blocks - 1 ? ws - r * C : C); },
+      partial_plain,
+      [&](int r) -> const void* {
+        return partial_last && r == blocks - 1 ? static_cast<const void*>(partial_plain)
+                                               : plain_row(p.plain_slices + r);
+      },
       [&](int pos, int block) {
         kept_blocks[pos] = block;
         if (out_blocks) out_blocks[pos] = block;
@@ -665,10 +919,12 @@ __global__ void __launch_bounds__(kSelectThreads, prefill_ctas_per_sm(D, TensorC
   auto slice_of = [&](int c) { return kept_blocks[c / spb] * spb + c % spb; };
   const int candidates = kept == 0 ? 0 : contract::fine_candidates(kept, kept_blocks[kept - 1], spb, far_slices);
   std::int32_t* out_slices = p.out.kept_slices + at * p.top_k_fine;
-  const int kept_slices = filter_stage<D, Wide, TensorCores>(
-      candidates, p.top_k_fine, in.two_pass, valid, p.stages, qs, ring, red, partial, slice_base, fine_scores, keep,
+  const int kept_slices = filter_stage<D, Wide, Plain>(
+      candidates, p.top_k_fine, two_pass, valid, p.stages, qs, ring, red, partial, slice_base, fine_scores, keep,
       keys, temp, sh, [&](int c) -> const float* { return slice_base + slice_of(c) * head_stride; },
-      [&](int) { return 1.0f / static_cast<float>(F); }, [&](int pos, int c) { out_slices[pos] = slice_of(c); });
+      [&](int) { return 1.0f / static_cast<float>(F); }, partial_plain,
+      [&](int c) { return plain_row(slice_of(c)); },
+      [&](int pos, int c) { out_slices[pos] = slice_of(c); });
   for (int i = kept_slices + threadIdx.x; i < p.top_k_fine; i += kSelectThreads) out_slices[i] = -1;
   if (threadIdx.x == 0) p.out.num_slices[at] = kept_slices;
 }
@@ -686,7 +942,7 @@ int plan_prefill_smem(prefill_params<Q>& p, const SparseAttentionConfig& cfg, bo
   const int key_bytes = selection_key_bytes(cfg, wide);
   const int tile_bytes = prefill_stage_bytes(head_dim);
   p.partial_offset = align(sel.bytes);
-  p.red_offset = align(p.partial_offset + head_dim * 4);
+  p.red_offset = align(p.partial_offset + head_dim * 4 + prefill_plain_row_bytes(head_dim));
   p.q_offset = align(p.red_offset + prefill_groups(tensor_cores) * kPrefillCandidates * 4);
   p.ring_offset = p.q_offset + prefill_query_bytes(head_dim);
   sel.keys = p.ring_offset;
@@ -702,10 +958,16 @@ int plan_prefill_smem(prefill_params<Q>& p, const SparseAttentionConfig& cfg, bo
 template <class Q, int D>
 status launch_prefill_selection(prefill_params<Q>& p, const SparseAttentionConfig& cfg, bool wide,
                                 bool tensor_cores, cudaStream_t stream) {
-  auto* kernel = wide ? (tensor_cores ? &prefill_selection_kernel<Q, D, true, true>
-                                      : &prefill_selection_kernel<Q, D, true, false>)
-                      : (tensor_cores ? &prefill_selection_kernel<Q, D, false, true>
-                                      : &prefill_selection_kernel<Q, D, false, false>);
+  using scoring = prefill_scoring;
+  const bool half = tensor_cores && p.in.two_pass && p.in.plain_rows != nullptr;
+  const scoring plain = !tensor_cores ? scoring::fma : half ? scoring::plain_f16 : scoring::plain_tf32;
+  auto pick = [&](auto wide_c) {
+    constexpr bool W = decltype(wide_c)::value;
+    return plain == scoring::fma          ? &prefill_selection_kernel<Q, D, W, scoring::fma>
+           : plain == scoring::plain_f16 ? &prefill_selection_kernel<Q, D, W, scoring::plain_f16>
+                                         : &prefill_selection_kernel<Q, D, W, scoring::plain_tf32>;
+  };
+  auto* kernel = wide ? pick(std::true_type{}) : pick(std::false_type{});
   // Host queries only (capturable): the device's per-CTA opt-in limit less
   // the kernel's static shared memory.
   gpu_limits gpu;
@@ -720,6 +982,24 @@ status launch_prefill_selection(prefill_params<Q>& p, const SparseAttentionConfi
                                          " needs more shared memory per CTA than this GPU's " +
                                          std::to_string(gpu.smem_per_block) + " bytes");
   HISPARSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  if (half) {  // the fp16 plain pass's rows first
+    plain_rows_params r;
+    r.cache = p.in;
+    r.segments = p.in.segments;
+    r.layer = p.in.layer;
+    r.rows = static_cast<unsigned char*>(p.in.plain_rows);
+    r.positions = p.in.plain_positions;
+    r.slices = static_cast<std::int32_t>(prefill_plain_slices(r.positions, p.in.fine_slice));
+    r.blocks = static_cast<std::int32_t>(prefill_plain_blocks(r.positions, p.in.coarse_block));
+    p.plain_slices = r.slices;
+    p.plain_stride = std::int64_t{r.slices} + r.blocks;
+    constexpr int kWarps = kSelectThreads / 32;
+    const dim3 rows_grid(static_cast<unsigned>((std::int64_t{r.slices} + r.blocks + kWarps - 1) / kWarps),
+                         static_cast<unsigned>(p.in.kv_heads),
+                         static_cast<unsigned>(std::min(p.in.num_segments, p.in.plain_segments)));
+    prefill_plain_rows_kernel<D><<<rows_grid, kSelectThreads, 0, stream>>>(r);
+    HISPARSE_CUDA_TRY(cudaGetLastError());
+  }
   const dim3 grid(static_cast<unsigned>(p.in.kv_heads), static_cast<unsigned>(p.in.num_tiles));
   kernel<<<grid, kSelectThreads, static_cast<std::size_t>(bytes), stream>>>(p);
   HISPARSE_CUDA_TRY(cudaGetLastError());
@@ -745,13 +1025,24 @@ template <class Q>
     return bad("queries, segments and the cache's summaries must not be null (a cache without "
                "maintain_summaries keeps none)");
   if (reinterpret_cast<std::uintptr_t>(a.queries) % 16 != 0) return bad("queries must be 16-byte aligned");
+  if (a.plain_rows != nullptr) {
+    if (reinterpret_cast<std::uintptr_t>(a.plain_rows) % 16 != 0) return bad("plain_rows must be 16-byte aligned");
+    // (At most the cache's positions: a (segment, KV head)'s rows then count
+    // below 2^31, max_blocks being at most 4096.)
+    if (a.plain_segments < 1 || a.plain_positions < 1 ||
+        a.plain_positions > std::int64_t{a.max_slices} * a.fine_slice)
+      return bad("plain_rows needs plain_segments of at least 1 and plain_positions in [1, the cache's positions]");
+    if (std::min(a.num_segments, a.plain_segments) > 65535)
+      return fail(status::unsupported, "prefill selection: plain rows for at most 65535 segments per launch");
+  }
   if (out.kept_slices == nullptr || out.num_slices == nullptr || out.window_begin == nullptr)
     return bad("kept_slices, num_slices and window_begin outputs must not be null");
   return detail::check_summaries(cfg, a, a.layer, "prefill");
 }
 
-/// The selection of every query tile of a prefill batch: one launch, no
-/// sync, no allocation (capturable; the segments are device data).
+/// The selection of every query tile of a prefill batch: one launch (two
+/// with plain_rows: their copy first), no sync, no allocation (capturable;
+/// the segments are device data).
 template <class Q>
 [[nodiscard]] status select_prefill_async(const SparseAttentionConfig& cfg, const prefill_selection_arguments<Q>& a,
                                           const prefill_selection_output& out, cudaStream_t stream = nullptr) {
