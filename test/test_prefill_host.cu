@@ -253,6 +253,54 @@ float to_tf32(float x, bool truncate) {
   return x;
 }
 
+/// A query and a row for the plain passes' bound tests: the query's entries
+/// span 40 binades, the row's are normal; their exact dot product and
+/// squared norms in fp64.
+struct bound_trial {
+  std::vector<float> q, c;
+  double exact = 0, q2 = 0, c2 = 0;
+  bound_trial(workload::splitmix64& rng, int D) : q(static_cast<std::size_t>(D)), c(static_cast<std::size_t>(D)) {
+    for (std::size_t d = 0; d < q.size(); ++d) {
+      const double mag = std::ldexp(1.0 + rng.uniform(), static_cast<int>(rng.next() % 41) - 20);
+      q[d] = static_cast<float>(rng.next() & 1 ? mag : -mag);
+      c[d] = static_cast<float>(rng.normal() * std::ldexp(1.0, static_cast<int>(rng.next() % 9) - 4));
+    }
+    for (std::size_t d = 0; d < q.size(); ++d) {
+      exact += static_cast<double>(q[d]) * c[d];
+      q2 += static_cast<double>(q[d]) * q[d];
+      c2 += static_cast<double>(c[d]) * c[d];
+    }
+  }
+};
+
+/// |plain - exact| within half the bound (the other half is the 3xTF32
+/// score's own error) for every plain score plain_of(trial) gives, over
+/// 20000 trials at D = 64, 128, 256; returns the largest ratio to the bound.
+template <class PlainOf>
+double worst_plain_error(std::uint64_t seed, PlainOf plain_of) {
+  workload::splitmix64 rng(seed);
+  double worst = 0;
+  for (int trial = 0; trial < 20000; ++trial) {
+    const bound_trial b(rng, trial % 3 == 0 ? 64 : trial % 3 == 1 ? 128 : 256);
+    const float delta = select::detail::bound_tf32_delta(static_cast<float>(b.q2), static_cast<float>(b.c2));
+    for (const float plain : plain_of(b)) {
+      const double err = std::abs(plain - b.exact);
+      worst = std::max(worst, err / delta);
+      REQUIRE(err <= 0.5 * delta);
+    }
+  }
+  return worst;
+}
+/// fp32 sums of f(q_d) g(c_d), forward and backward.
+template <class F, class G>
+std::vector<float> both_orders(const bound_trial& b, F f, G g) {
+  float forward = 0, backward = 0;
+  const int D = static_cast<int>(b.q.size());
+  for (int d = 0; d < D; ++d) forward += f(b.q[static_cast<std::size_t>(d)]) * g(b.c[static_cast<std::size_t>(d)]);
+  for (int d = D - 1; d >= 0; --d) backward += f(b.q[static_cast<std::size_t>(d)]) * g(b.c[static_cast<std::size_t>(d)]);
+  return {forward, backward};
+}
+
 TEST_CASE("prefill two passes: the rule, and the bound against emulated tf32 products", "[select][prefill]") {
   using select::detail::prefill_two_pass;
   // More than two rounds of 64 candidates, and room for 2k in the exact list.
@@ -262,37 +310,16 @@ TEST_CASE("prefill two passes: the rule, and the bound against emulated tf32 pro
   CHECK_FALSE(prefill_two_pass(512, 65));
   CHECK_FALSE(prefill_two_pass(4096, 128));
 
-  // |plain tf32 score - exact| must stay within half the bound (the other
-  // half is the 3xTF32 score's own error), on vectors whose entries span 40
-  // binades, summed in fp32 in either order.
-  workload::splitmix64 rng(17);
-  double worst = 0;
-  for (int trial = 0; trial < 20000; ++trial) {
-    const int D = trial % 3 == 0 ? 64 : trial % 3 == 1 ? 128 : 256;
-    std::vector<float> q(D), c(D);
-    for (int d = 0; d < D; ++d) {
-      const double mag = std::ldexp(1.0 + rng.uniform(), static_cast<int>(rng.next() % 41) - 20);
-      q[d] = static_cast<float>(rng.next() & 1 ? mag : -mag);
-      c[d] = static_cast<float>(rng.normal() * std::ldexp(1.0, static_cast<int>(rng.next() % 9) - 4));
-    }
-    double exact = 0, q2 = 0, c2 = 0;
-    for (int d = 0; d < D; ++d) {
-      exact += static_cast<double>(q[d]) * c[d];
-      q2 += static_cast<double>(q[d]) * q[d];
-      c2 += static_cast<double>(c[d]) * c[d];
-    }
-    const float delta = select::detail::bound_tf32_delta(static_cast<float>(q2), static_cast<float>(c2));
+  // Entries over 40 binades, summed in fp32 in either order, operands cut
+  // or rounded to tf32.
+  const double worst = worst_plain_error(17, [](const bound_trial& b) {
+    std::vector<float> all;
     for (const bool truncate : {true, false}) {
-      float forward = 0, backward = 0;
-      for (int d = 0; d < D; ++d) forward += to_tf32(q[d], truncate) * to_tf32(c[d], truncate);
-      for (int d = D - 1; d >= 0; --d) backward += to_tf32(q[d], truncate) * to_tf32(c[d], truncate);
-      for (const float plain : {forward, backward}) {
-        const double err = std::abs(plain - exact);
-        worst = std::max(worst, err / delta);
-        REQUIRE(err <= 0.5 * delta);
-      }
+      const auto cut = [truncate](float x) { return to_tf32(x, truncate); };
+      for (const float v : both_orders(b, cut, cut)) all.push_back(v);
     }
-  }
+    return all;
+  });
   UNSCOPED_INFO("largest |plain - exact| / delta: " << worst);
   CHECK(worst > 0.0);
 }
@@ -331,36 +358,13 @@ TEST_CASE("the fp16 plain pass: its scales, and the bound against emulated fp16 
   CHECK(plain_f16_exponent(bits(INFINITY)) == -114);
   CHECK(plain_f16_exponent(bits(NAN)) == -114);
 
-  // |plain fp16 score - exact| within half the bound, as for tf32: the
-  // queries scaled by their norm, the row by its largest element.
-  workload::splitmix64 rng(23);
-  double worst = 0;
-  for (int trial = 0; trial < 20000; ++trial) {
-    const int D = trial % 3 == 0 ? 64 : trial % 3 == 1 ? 128 : 256;
-    std::vector<float> q(D), c(D);
-    for (int d = 0; d < D; ++d) {
-      const double mag = std::ldexp(1.0 + rng.uniform(), static_cast<int>(rng.next() % 41) - 20);
-      q[d] = static_cast<float>(rng.next() & 1 ? mag : -mag);
-      c[d] = static_cast<float>(rng.normal() * std::ldexp(1.0, static_cast<int>(rng.next() % 9) - 4));
-    }
-    double exact = 0, q2 = 0, c2 = 0;
-    for (int d = 0; d < D; ++d) {
-      exact += static_cast<double>(q[d]) * c[d];
-      q2 += static_cast<double>(q[d]) * q[d];
-      c2 += static_cast<double>(c[d]) * c[d];
-    }
-    const int eq = plain_f16_exponent(bits(std::sqrt(static_cast<float>(q2))));
-    const int ec = plain_f16_exponent(static_cast<std::uint32_t>(largest_bits(c)));
-    const float delta = select::detail::bound_tf32_delta(static_cast<float>(q2), static_cast<float>(c2));
-    float forward = 0, backward = 0;
-    for (int d = 0; d < D; ++d) forward += to_fp16_scaled(q[d], eq) * to_fp16_scaled(c[d], ec);
-    for (int d = D - 1; d >= 0; --d) backward += to_fp16_scaled(q[d], eq) * to_fp16_scaled(c[d], ec);
-    for (const float plain : {forward, backward}) {
-      const double err = std::abs(plain - exact);
-      worst = std::max(worst, err / delta);
-      REQUIRE(err <= 0.5 * delta);
-    }
-  }
+  // As for tf32: the queries scaled by their norm, the row by its largest element.
+  const double worst = worst_plain_error(23, [&](const bound_trial& b) {
+    const int eq = plain_f16_exponent(bits(std::sqrt(static_cast<float>(b.q2))));
+    const int ec = plain_f16_exponent(static_cast<std::uint32_t>(largest_bits(b.c)));
+    return both_orders(
+        b, [eq](float x) { return to_fp16_scaled(x, eq); }, [ec](float x) { return to_fp16_scaled(x, ec); });
+  });
   UNSCOPED_INFO("largest |plain fp16 - exact| / delta: " << worst);
   CHECK(worst > 0.0);
 }
