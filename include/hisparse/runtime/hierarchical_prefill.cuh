@@ -173,7 +173,8 @@ class hierarchical_prefill {
     s.set_cache(args_.cache);
     s.plain_rows = plain_;
     s.plain_segments = planned_segments_;
-    s.plain_positions = planned_positions_;
+    // (A rebind may name a cache with fewer positions: its rows, then, fit too.)
+    s.plain_positions = std::min(planned_positions_, plain_positions(args_));
     return select::select_prefill_async(cfg_, s, select::prefill_selection_output{kept_, num_, window_}, stream);
   }
   [[nodiscard]] status run_attention(cudaStream_t stream = nullptr) const {
