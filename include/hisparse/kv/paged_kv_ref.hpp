@@ -67,6 +67,8 @@ struct summary_layout {
   std::int32_t max_slices = 0;  ///< per (sequence, layer)
   std::int32_t max_blocks = 0;  ///< per (sequence, layer)
 
+  /// Positions a sequence can hold: every slice's tokens.
+  HISPARSE_HOST_DEVICE constexpr std::int64_t positions() const { return std::int64_t{max_slices} * fine_slice; }
   /// The row of (sequence, layer) in the per-(sequence, layer) arrays.
   HISPARSE_HOST_DEVICE constexpr std::int64_t seq_layer(int seq, int layer) const {
     return std::int64_t{seq} * layers + layer;

@@ -98,7 +98,7 @@ class hierarchical_prefill {
     return can_implement_all(
         [&] { return check(cfg_); },
         [&] {
-          const std::int64_t capacity = std::int64_t{a.cache.max_slices} * a.cache.fine_slice;
+          const std::int64_t capacity = a.cache.positions();
           if (a.max_end < 0) return fail(status::invalid_argument, "hierarchical prefill: max_end must be >= 0");
           if (a.max_end > capacity)
             return fail(status::invalid_argument, "hierarchical prefill: max_end " + std::to_string(a.max_end) +
@@ -201,8 +201,7 @@ class hierarchical_prefill {
   }
   /// Positions the plain rows cover: the cache's, whatever this call's end.
   static std::int32_t plain_positions(const arguments& a) {
-    const std::int64_t capacity = std::int64_t{a.cache.max_slices} * a.cache.fine_slice;
-    return static_cast<std::int32_t>(std::clamp<std::int64_t>(capacity, 1, kMaxContext));
+    return static_cast<std::int32_t>(std::clamp<std::int64_t>(a.cache.positions(), 1, kMaxContext));
   }
 
   /// The last tile's far region holds at most top_k_fine slices (every

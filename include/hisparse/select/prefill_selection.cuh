@@ -1030,7 +1030,7 @@ template <class Q>
     // (At most the cache's positions: a (segment, KV head)'s rows then count
     // below 2^31, max_blocks being at most 4096.)
     if (a.plain_segments < 1 || a.plain_positions < 1 ||
-        a.plain_positions > std::int64_t{a.max_slices} * a.fine_slice)
+        a.plain_positions > a.positions())
       return bad("plain_rows needs plain_segments of at least 1 and plain_positions in [1, the cache's positions]");
     if (std::min(a.num_segments, a.plain_segments) > 65535)
       return fail(status::unsupported, "prefill selection: plain rows for at most 65535 segments per launch");
